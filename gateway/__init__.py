@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: sessions, rendering, routing, recording, pause/resume."""

@@ -1,0 +1,29 @@
+"""Run the gateway as its own process: `python -m lockgate.gateway --config gateway.json`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from lockgate.gateway.app import create_app
+from lockgate.gateway.config import GatewayConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="lockgate's OpenAI-compatible gateway")
+    parser.add_argument("--config", type=Path, required=True, help="GatewayConfig as JSON")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = GatewayConfig.model_validate_json(args.config.read_text())
+    uvicorn.run(
+        create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False
+    )
+
+
+if __name__ == "__main__":
+    main()

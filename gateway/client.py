@@ -1,0 +1,137 @@
+"""A typed async client for the gateway's admin API (used by agent_runtime and coordinator).
+
+Errors come back as `GatewayClientError` carrying the status and OpenAI-shaped message. Reads are
+retried on transport errors; writes are not (a retried create would make two sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from lockgate.gateway.schema import (
+    CallRecord,
+    CreatedSession,
+    GatewayStatus,
+    SessionInfo,
+    SessionSamples,
+)
+
+
+class GatewayClientError(Exception):
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"gateway answered HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+
+
+class GatewayClient:
+    def __init__(
+        self,
+        base_url: str,
+        admin_token: str,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {admin_token}"},
+            transport=transport,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=256),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> GatewayClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _request(self, method: str, path: str, body: Any = None, retries: int = 0) -> Any:
+        for attempt in range(retries + 1):
+            try:
+                resp = await self._http.request(method, path, json=body)
+                break
+            except httpx.TransportError:
+                if attempt == retries:
+                    raise
+                await asyncio.sleep(0.2 * 2**attempt)
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text[:500]
+            raise GatewayClientError(resp.status_code, message)
+        return resp.json()
+
+    async def health(self) -> dict[str, Any]:
+        return await self._request("GET", "/health")
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def create_session(
+        self, task_id: str, group_id: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> CreatedSession:
+        data = await self._request(
+            "POST",
+            "/admin/sessions",
+            {"task_id": task_id, "group_id": group_id, "metadata": metadata or {}},
+        )
+        created = CreatedSession.model_validate(data)
+        created.base_url = self.base_url + created.base_url
+        return created
+
+    async def finish_session(
+        self,
+        session_id: str,
+        *,
+        reward: float | None = None,
+        failed: bool = False,
+        error: str | None = None,
+    ) -> SessionInfo:
+        body = {"status": "failed" if failed else "finished", "reward": reward, "error": error}
+        data = await self._request("POST", f"/admin/sessions/{session_id}/finish", body)
+        return SessionInfo.model_validate(data)
+
+    async def set_reward(self, session_id: str, reward: float) -> SessionInfo:
+        data = await self._request(
+            "POST", f"/admin/sessions/{session_id}/reward", {"reward": reward}
+        )
+        return SessionInfo.model_validate(data)
+
+    async def session(self, session_id: str) -> SessionInfo:
+        data = await self._request("GET", f"/admin/sessions/{session_id}", retries=2)
+        return SessionInfo.model_validate(data)
+
+    async def calls(self, session_id: str) -> list[CallRecord]:
+        data = await self._request("GET", f"/admin/sessions/{session_id}/calls", retries=2)
+        return [CallRecord.model_validate(c) for c in data["calls"]]
+
+    async def samples(self, session_id: str) -> SessionSamples:
+        data = await self._request("GET", f"/admin/sessions/{session_id}/samples", retries=2)
+        return SessionSamples.model_validate(data)
+
+    # -- weight sync ----------------------------------------------------------------------------
+
+    async def status(self) -> GatewayStatus:
+        return GatewayStatus.model_validate(await self._request("GET", "/admin/status", retries=2))
+
+    async def pause(self, timeout_s: float = 600.0) -> GatewayStatus:
+        data = await self._request(
+            "POST", "/admin/pause", {"mode": "drain", "timeout_s": timeout_s}
+        )
+        return GatewayStatus.model_validate(data)
+
+    async def load_weights(self, path: str, version: int) -> dict[str, Any]:
+        return await self._request("POST", "/admin/weights", {"path": path, "version": version})
+
+    async def resume(self, version: int) -> GatewayStatus:
+        data = await self._request("POST", "/admin/resume", {"version": version})
+        return GatewayStatus.model_validate(data)

@@ -1,0 +1,39 @@
+"""The gateway's configuration (importing it loads no torch, vLLM or tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingPolicy(BaseModel):
+    """What the run needs from sampling, whatever the agent asks for.
+
+    `override`: the run's values replace the agent's (training on the agent's temperature 0.2
+    would make the recorded logprobs describe a different policy from the one trained).
+    `honor`: the agent's values are used where given. Either way the request is recorded as sent.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["override", "honor"] = "override"
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=512, ge=1, description="Budget when the agent sets none.")
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_dir: Path = Field(description="HF model dir; its tokenizer renders and parses chats.")
+    model_name: str = Field(default="lockgate", description="Name reported by /v1/models.")
+    renderer: str = Field(
+        default="qwen3", description="`renderers` config name for the chat format."
+    )
+    replicas: list[str] = Field(default_factory=list, description="vLLM replica base URLs.")
+    db_path: Path = Field(description="SQLite trajectory store file.")
+    admin_token: str = Field(min_length=8, description="Bearer token for /admin endpoints.")
+    max_model_len: int = Field(default=2048, ge=16, description="Replicas' context length.")
+    sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
+    max_pause_wait_s: float = Field(default=1800.0, gt=0)
+    initial_version: int = Field(default=0, ge=0)

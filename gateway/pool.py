@@ -1,0 +1,136 @@
+"""The replica pool: health, load accounting and sticky routing over `ReplicaClient`s."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from lockgate.gateway.replica_client import ReplicaClient
+from lockgate.gateway.routing import ReplicaLoad, choose_replica
+from lockgate.gateway.schema import ReplicaStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Replica:
+    client: ReplicaClient
+    healthy: bool = True
+    in_flight: int = 0
+    failures: int = 0  # consecutive
+    version: int = 0
+    sessions: set[str] = field(default_factory=set)
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        urls: list[str],
+        http: httpx.AsyncClient,
+        *,
+        max_failures: int = 2,
+        max_imbalance: int = 4,
+        health_interval_s: float = 2.0,
+    ) -> None:
+        self._http = http
+        self._replicas: dict[str, _Replica] = {}
+        for url in urls:
+            self.add(url)
+        self._sticky: dict[str, str] = {}
+        self._max_failures = max_failures
+        self._max_imbalance = max_imbalance
+        self._health_interval_s = health_interval_s
+        self._health_task: asyncio.Task[None] | None = None
+
+    def add(self, url: str) -> None:
+        client = ReplicaClient(url, self._http)
+        self._replicas.setdefault(client.url, _Replica(client))
+
+    @property
+    def clients(self) -> list[ReplicaClient]:
+        return [r.client for r in self._replicas.values()]
+
+    def healthy_clients(self) -> list[ReplicaClient]:
+        return [r.client for r in self._replicas.values() if r.healthy]
+
+    def status(self) -> list[ReplicaStatus]:
+        return [
+            ReplicaStatus(
+                url=url,
+                healthy=r.healthy,
+                in_flight=r.in_flight,
+                failures=r.failures,
+                version=r.version,
+            )
+            for url, r in self._replicas.items()
+        ]
+
+    def pick(self, session_id: str, exclude: frozenset[str] = frozenset()) -> ReplicaClient | None:
+        loads = [ReplicaLoad(url, r.healthy, r.in_flight) for url, r in self._replicas.items()]
+        url = choose_replica(
+            loads, self._sticky.get(session_id), max_imbalance=self._max_imbalance, exclude=exclude
+        )
+        if url is None:
+            return None
+        self._sticky[session_id] = url
+        return self._replicas[url].client
+
+    def forget_session(self, session_id: str) -> None:
+        self._sticky.pop(session_id, None)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, client: ReplicaClient) -> AsyncIterator[None]:
+        replica = self._replicas[client.url]
+        replica.in_flight += 1
+        try:
+            yield
+        finally:
+            replica.in_flight -= 1
+
+    def record_success(self, client: ReplicaClient) -> None:
+        self._replicas[client.url].failures = 0
+
+    def record_failure(self, client: ReplicaClient) -> None:
+        replica = self._replicas[client.url]
+        replica.failures += 1
+        if replica.failures >= self._max_failures and replica.healthy:
+            log.warning(
+                "replica %s out of rotation after %d failures", client.url, replica.failures
+            )
+            replica.healthy = False
+
+    def mark_unhealthy(self, client: ReplicaClient) -> None:
+        self._replicas[client.url].healthy = False
+
+    def set_version(self, client: ReplicaClient, version: int) -> None:
+        self._replicas[client.url].version = version
+
+    # -- background health checks ---------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="replica-health")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            for replica in list(self._replicas.values()):
+                ok = await replica.client.healthy()
+                if ok and not replica.healthy:
+                    log.info("replica %s back in rotation", replica.client.url)
+                    replica.failures = 0
+                    replica.healthy = True
+                elif not ok and replica.healthy:
+                    self.record_failure(replica.client)

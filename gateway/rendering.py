@@ -1,0 +1,163 @@
+"""Chat <-> token ids, through the `renderers` library.
+
+`ChatRenderer.render_prompt` prefers extending the previous call's exact prompt + completion
+tokens (`bridge_to_next_turn`), so a multi-turn session trains on what the model really saw; it
+falls back to a full render when the agent's history does not continue the previous call, and
+says so. `parse_completion` turns sampled ids back into content / reasoning / tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import renderers
+from transformers import AutoTokenizer
+
+from lockgate.gateway.schema import AssistantMessage, ChatMessage, FunctionCall, ToolCall, ToolSpec
+
+
+@dataclass(frozen=True)
+class PreviousTurn:
+    """What the bridge needs from the session's previous call."""
+
+    messages: list[dict[str, Any]]  # the previous request's messages, as dumped
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    prompt_ids: list[int]
+    extends_previous: bool
+
+
+@dataclass(frozen=True)
+class ParsedCompletion:
+    message: AssistantMessage
+    has_tool_calls: bool
+
+
+class ChatRenderer:
+    def __init__(self, model_dir: Path | str, renderer_name: str = "qwen3") -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        config = renderers.config_from_name(renderer_name)
+        self._renderer = renderers.create_renderer(self.tokenizer, config)
+        self.stop_token_ids: list[int] = list(self._renderer.get_stop_token_ids())
+
+    def render_prompt(
+        self,
+        messages: list[ChatMessage],
+        tools: list[ToolSpec] | None,
+        previous: PreviousTurn | None,
+    ) -> RenderedPrompt:
+        spec = _tool_specs(tools)
+        if previous is not None:
+            new_messages = _continuation(messages, tools, previous)
+            if new_messages is not None:
+                bridged = self._renderer.bridge_to_next_turn(
+                    previous.prompt_ids,
+                    previous.completion_ids,
+                    [_to_renderer_message(m) for m in new_messages],
+                    tools=spec,
+                )
+                if bridged is not None:
+                    return RenderedPrompt(list(bridged.token_ids), extends_previous=True)
+        ids = self._renderer.render_ids(
+            [_to_renderer_message(m) for m in messages], tools=spec, add_generation_prompt=True
+        )
+        return RenderedPrompt(list(ids), extends_previous=False)
+
+    def parse_completion(
+        self, completion_ids: list[int], prompt_ids: list[int], tools: list[ToolSpec] | None
+    ) -> ParsedCompletion:
+        parsed = self._renderer.parse_response(
+            list(completion_ids), tools=_tool_specs(tools), prompt_ids=list(prompt_ids)
+        )
+        calls = [
+            ToolCall(
+                id=tc.id or f"call_{uuid.uuid4().hex[:24]}",
+                function=FunctionCall(
+                    name=tc.name or "",
+                    arguments=tc.arguments
+                    if isinstance(tc.arguments, str)
+                    else json.dumps(tc.arguments or {}),
+                ),
+            )
+            for tc in parsed.tool_calls
+            if tc.status == renderers.ToolCallParseStatus.OK and tc.name
+        ]
+        message = AssistantMessage(
+            content=parsed.content or (None if calls else ""),
+            reasoning_content=parsed.reasoning_content or None,
+            tool_calls=calls or None,
+        )
+        return ParsedCompletion(message=message, has_tool_calls=bool(calls))
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _continuation(
+    messages: list[ChatMessage], tools: list[ToolSpec] | None, previous: PreviousTurn
+) -> list[ChatMessage] | None:
+    """The messages after the previous call's reply, or None if this is not its continuation."""
+    dumped_tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+    if dumped_tools != previous.tools:
+        return None
+    n = len(previous.messages)
+    if len(messages) < n + 2 or messages[n].role != "assistant":
+        return None
+    if [m.model_dump(exclude_none=True) for m in messages[:n]] != previous.messages:
+        return None
+    return messages[n + 1 :]
+
+
+def _tool_specs(tools: list[ToolSpec] | None) -> list[renderers.ToolSpec] | None:
+    if not tools:
+        return None
+    return [
+        {
+            "name": t.function.name,
+            "description": t.function.description,
+            "parameters": t.function.parameters,
+        }
+        for t in tools
+    ]
+
+
+def _to_renderer_message(message: ChatMessage) -> renderers.Message:
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "type": "function",
+                "id": tc.id,
+                "function": {
+                    "name": tc.function.name,
+                    "arguments": _arguments(tc.function.arguments),
+                },
+            }
+            for tc in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None and message.role == "tool":
+        out["name"] = message.name
+    if message.reasoning_content:
+        out["reasoning_content"] = message.reasoning_content
+    return out  # type: ignore[return-value]
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    # Templates render argument objects; keep the agent's string if it is not a JSON object.
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text

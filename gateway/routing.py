@@ -1,0 +1,36 @@
+"""Which replica serves a call (pure policy, no I/O).
+
+Sticky per session so a session's growing prefix stays in one replica's prefix cache; but a
+sticky replica that is unhealthy, or busier than the least-loaded healthy one by more than
+`max_imbalance` calls, loses the session to the least-loaded one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    url: str
+    healthy: bool
+    in_flight: int
+
+
+def choose_replica(
+    replicas: Sequence[ReplicaLoad],
+    sticky: str | None,
+    *,
+    max_imbalance: int = 4,
+    exclude: frozenset[str] = frozenset(),
+) -> str | None:
+    candidates = [r for r in replicas if r.healthy and r.url not in exclude]
+    if not candidates:
+        return None
+    least = min(candidates, key=lambda r: (r.in_flight, r.url))
+    if sticky is not None:
+        for r in candidates:
+            if r.url == sticky and r.in_flight <= least.in_flight + max_imbalance:
+                return r.url
+    return least.url

@@ -1,0 +1,271 @@
+"""The trajectory store: sessions and calls in one SQLite file.
+
+All access goes through one connection owned by one worker thread, so SQLite never sees
+concurrent writers and the event loop never blocks on disk. A call's record is committed before
+the gateway answers the agent (WAL mode, `synchronous=NORMAL`: durable across a crash of the
+gateway process; `synchronous=FULL` would also survive power loss at a latency cost).
+
+Token ids and logprobs are stored as packed arrays (int32 / float64), not JSON: they are the bulk
+of every row, and float64 keeps vLLM's logprobs bit-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from array import array
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lockgate.gateway.schema import CallRecord, SessionInfo, VersionSpan
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    api_key TEXT NOT NULL UNIQUE,
+    task_id TEXT NOT NULL,
+    group_id TEXT,
+    metadata TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reward REAL,
+    error TEXT,
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    num_calls INTEGER NOT NULL DEFAULT 0,
+    rerender_splits INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS calls (
+    session_id TEXT NOT NULL REFERENCES sessions(id),
+    idx INTEGER NOT NULL,
+    request TEXT NOT NULL,
+    sampling TEXT NOT NULL,
+    prompt_ids BLOB NOT NULL,
+    completion_ids BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    versions TEXT NOT NULL,
+    finish_reason TEXT NOT NULL,
+    replica TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL NOT NULL,
+    interruptions INTEGER NOT NULL,
+    extends_previous INTEGER NOT NULL,
+    PRIMARY KEY (session_id, idx)
+);
+"""
+
+
+def _pack_ints(values: list[int]) -> bytes:
+    return array("i", values).tobytes()
+
+
+def _unpack_ints(blob: bytes) -> list[int]:
+    out = array("i")
+    out.frombytes(blob)
+    return out.tolist()
+
+
+def _pack_floats(values: list[float]) -> bytes:
+    return array("d", values).tobytes()
+
+
+def _unpack_floats(blob: bytes) -> list[float]:
+    out = array("d")
+    out.frombytes(blob)
+    return out.tolist()
+
+
+class SessionRow:
+    """The few session fields the request path needs, cached in memory by the app."""
+
+    __slots__ = ("api_key", "id", "status")
+
+    def __init__(self, id: str, api_key: str, status: str) -> None:
+        self.id = id
+        self.api_key = api_key
+        self.status = status
+
+
+class TrajectoryStore:
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-store")
+        self._conn: sqlite3.Connection | None = None
+        self._executor.submit(self._open).result()
+
+    def _open(self) -> None:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.executescript(_SCHEMA)
+        self._conn = conn
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._with_conn, fn)
+
+    def _with_conn(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        assert self._conn is not None
+        return fn(self._conn)
+
+    def close(self) -> None:
+        def _close() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+        self._executor.submit(_close).result()
+        self._executor.shutdown(wait=True)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def create_session(
+        self,
+        session_id: str,
+        api_key: str,
+        task_id: str,
+        group_id: str | None,
+        metadata: dict[str, Any],
+    ) -> None:
+        def _insert(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO sessions (id, api_key, task_id, group_id, metadata, status, created_at)"
+                " VALUES (?, ?, ?, ?, ?, 'open', ?)",
+                (session_id, api_key, task_id, group_id, json.dumps(metadata), time.time()),
+            )
+
+        await self._run(_insert)
+
+    async def load_session_rows(self) -> list[SessionRow]:
+        def _select(conn: sqlite3.Connection) -> list[SessionRow]:
+            rows = conn.execute("SELECT id, api_key, status FROM sessions").fetchall()
+            return [SessionRow(*row) for row in rows]
+
+        return await self._run(_select)
+
+    async def get_session(self, session_id: str) -> SessionInfo | None:
+        def _select(conn: sqlite3.Connection) -> SessionInfo | None:
+            row = conn.execute(
+                "SELECT id, task_id, group_id, metadata, status, reward, error, created_at,"
+                " finished_at, num_calls, rerender_splits FROM sessions WHERE id = ?",
+                (session_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            return SessionInfo(
+                session_id=row[0],
+                task_id=row[1],
+                group_id=row[2],
+                metadata=json.loads(row[3]),
+                status=row[4],
+                reward=row[5],
+                error=row[6],
+                created_at=row[7],
+                finished_at=row[8],
+                num_calls=row[9],
+                rerender_splits=row[10],
+            )
+
+        return await self._run(_select)
+
+    async def finish_session(
+        self, session_id: str, status: str, reward: float | None, error: str | None
+    ) -> None:
+        def _update(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "UPDATE sessions SET status = ?, reward = COALESCE(?, reward), error = ?,"
+                " finished_at = ? WHERE id = ?",
+                (status, reward, error, time.time(), session_id),
+            )
+
+        await self._run(_update)
+
+    async def set_reward(self, session_id: str, reward: float) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                "UPDATE sessions SET reward = ? WHERE id = ?", (reward, session_id)
+            )
+        )
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    async def add_call(self, call: CallRecord) -> None:
+        """Insert a call and bump the session's counters in one transaction."""
+
+        def _insert(conn: sqlite3.Connection) -> None:
+            conn.execute("BEGIN")
+            try:
+                conn.execute(
+                    "INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        call.session_id,
+                        call.index,
+                        json.dumps(call.request),
+                        json.dumps(call.sampling),
+                        _pack_ints(call.prompt_ids),
+                        _pack_ints(call.completion_ids),
+                        _pack_floats(call.logprobs),
+                        json.dumps([s.model_dump() for s in call.versions]),
+                        call.finish_reason,
+                        call.replica,
+                        call.started_at,
+                        call.ended_at,
+                        call.interruptions,
+                        int(call.extends_previous),
+                    ),
+                )
+                conn.execute(
+                    "UPDATE sessions SET num_calls = num_calls + 1,"
+                    " rerender_splits = rerender_splits + ? WHERE id = ?",
+                    (0 if call.extends_previous or call.index == 0 else 1, call.session_id),
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+        await self._run(_insert)
+
+    async def get_calls(self, session_id: str) -> list[CallRecord]:
+        def _select(conn: sqlite3.Connection) -> list[CallRecord]:
+            rows = conn.execute(
+                "SELECT * FROM calls WHERE session_id = ? ORDER BY idx", (session_id,)
+            ).fetchall()
+            return [_call_from_row(row) for row in rows]
+
+        return await self._run(_select)
+
+    async def last_call(self, session_id: str) -> CallRecord | None:
+        def _select(conn: sqlite3.Connection) -> CallRecord | None:
+            row = conn.execute(
+                "SELECT * FROM calls WHERE session_id = ? ORDER BY idx DESC LIMIT 1", (session_id,)
+            ).fetchone()
+            return None if row is None else _call_from_row(row)
+
+        return await self._run(_select)
+
+
+def _call_from_row(row: tuple[Any, ...]) -> CallRecord:
+    return CallRecord(
+        session_id=row[0],
+        index=row[1],
+        request=json.loads(row[2]),
+        sampling=json.loads(row[3]),
+        prompt_ids=_unpack_ints(row[4]),
+        completion_ids=_unpack_ints(row[5]),
+        logprobs=_unpack_floats(row[6]),
+        versions=[VersionSpan(**span) for span in json.loads(row[7])],
+        finish_reason=row[8],
+        replica=row[9],
+        started_at=row[10],
+        ended_at=row[11],
+        interruptions=row[12],
+        extends_previous=bool(row[13]),
+    )
