@@ -1,0 +1,1 @@
+"""The trainer: model, FSDP2, losses, optimizer, checkpoints, weight export."""
