@@ -1,0 +1,95 @@
+"""One rollout = one gateway session: create it, run the agent, score it, close it.
+
+A failing, hanging or reward-less rollout fails its own session with the reason recorded; it
+never raises into the caller, so one bad agent cannot stop a training run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import traceback
+from typing import Any
+
+from lockgate.agent_runtime.types import Agent, RewardFn, RolloutContext, RolloutResult, Task
+from lockgate.gateway.client import GatewayClient
+
+log = logging.getLogger(__name__)
+
+
+async def run_rollout(
+    gateway: GatewayClient,
+    agent: Agent,
+    task: Task,
+    *,
+    group_id: str,
+    reward_fn: RewardFn | None = None,
+    timeout_s: float | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> RolloutResult:
+    created = await gateway.create_session(task.id, group_id, metadata)
+    ctx = RolloutContext(
+        session_id=created.session_id, base_url=created.base_url, api_key=created.api_key
+    )
+    started = time.monotonic()
+    reward: float | None = None
+    error: str | None = None
+    try:
+        reward = await asyncio.wait_for(agent(task, ctx), timeout_s)
+        if reward_fn is not None:
+            calls = await gateway.calls(created.session_id)
+            value = reward_fn(task, calls)
+            reward = float(await value if inspect.isawaitable(value) else value)
+        if reward is None:
+            error = "the agent returned no reward and no reward function is configured"
+    except TimeoutError:
+        error = f"rollout timed out after {timeout_s}s"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log.debug("rollout %s failed:\n%s", created.session_id, traceback.format_exc())
+    failed = error is not None
+    info = await gateway.finish_session(
+        created.session_id, reward=None if failed else reward, failed=failed, error=error
+    )
+    return RolloutResult(
+        session_id=created.session_id,
+        task_id=task.id,
+        group_id=group_id,
+        status="failed" if failed else "finished",
+        reward=info.reward,
+        error=error,
+        duration_s=time.monotonic() - started,
+        num_calls=info.num_calls,
+    )
+
+
+async def run_group(
+    gateway: GatewayClient,
+    agent: Agent,
+    task: Task,
+    n: int,
+    *,
+    group_id: str,
+    reward_fn: RewardFn | None = None,
+    timeout_s: float | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> list[RolloutResult]:
+    """Run n rollouts of the same task concurrently (one GRPO group)."""
+    return list(
+        await asyncio.gather(
+            *(
+                run_rollout(
+                    gateway,
+                    agent,
+                    task,
+                    group_id=group_id,
+                    reward_fn=reward_fn,
+                    timeout_s=timeout_s,
+                    metadata=metadata,
+                )
+                for _ in range(n)
+            )
+        )
+    )

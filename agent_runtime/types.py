@@ -1,0 +1,56 @@
+"""The agent-facing abstractions: a task, an agent, a reward, an environment that bundles them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from lockgate.gateway.schema import CallRecord
+
+
+class Task(BaseModel):
+    id: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """Everything an agent needs to talk to the model: any OpenAI client works with these."""
+
+    session_id: str
+    base_url: str  # OpenAI-compatible base URL scoped to this session (ends in /v1)
+    api_key: str  # the session's key; also accepted on the gateway's plain /v1 routes
+    model: str = "lockgate"
+
+
+# An agent runs one rollout. It may return its reward, or None to leave it to the RewardFn.
+Agent = Callable[[Task, RolloutContext], Awaitable[float | None]]
+
+# A reward function sees the task and every model call the rollout made, token for token.
+RewardFn = Callable[[Task, Sequence[CallRecord]], Awaitable[float] | float]
+
+
+class Environment(Protocol):
+    """What a training run needs from a user's example: tasks, an agent and (maybe) a reward."""
+
+    def train_tasks(self) -> Sequence[Task]: ...
+
+    @property
+    def agent(self) -> Agent: ...
+
+    @property
+    def reward(self) -> RewardFn | None: ...
+
+
+class RolloutResult(BaseModel):
+    session_id: str
+    task_id: str
+    group_id: str
+    status: Literal["finished", "failed"]
+    reward: float | None
+    error: str | None = None
+    duration_s: float
+    num_calls: int = 0
