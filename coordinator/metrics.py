@@ -1,0 +1,48 @@
+"""Step metrics: one JSONL line per trainer step, and a one-line progress report on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class MetricsLog:
+    def __init__(self, path: Path, total_steps: int, stream: TextIO | None = None) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)
+        self._total = total_steps
+        self._stream = stream if stream is not None else sys.stderr
+        self._started = time.monotonic()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._print(record)
+
+    def _print(self, r: dict[str, Any]) -> None:
+        step = int(r["step"])
+        elapsed = time.monotonic() - self._started
+        eta = elapsed / max(step, 1) * (self._total - step)
+        self._stream.write(
+            f"step {step:>3}/{self._total} | reward {r['reward/mean']:.3f}"
+            f" | gen {r['perf/gen_tokens_per_s']:.0f} tok/s"
+            f" | staleness {r['staleness/mean']:.2f} (max {r['staleness/max']:.0f})"
+            f" | train {r['time/train_s']:.1f}s | sync {r['time/sync_s']:.2f}s"
+            f" | elapsed {_fmt(elapsed)} eta {_fmt(eta)}\n"
+        )
+        self._stream.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _fmt(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
