@@ -124,8 +124,9 @@ class ReplicaPool:
             self._health_task = None
 
     async def _health_loop(self) -> None:
+        # Check at once: a replica that is down when the gateway starts should not wait one
+        # interval (and an agent's failed call) to leave the rotation.
         while True:
-            await asyncio.sleep(self._health_interval_s)
             for replica in list(self._replicas.values()):
                 ok = await replica.client.healthy()
                 if ok and not replica.healthy:
@@ -134,3 +135,4 @@ class ReplicaPool:
                     replica.healthy = True
                 elif not ok and replica.healthy:
                     self.record_failure(replica.client)
+            await asyncio.sleep(self._health_interval_s)

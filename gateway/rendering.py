@@ -118,16 +118,15 @@ def _continuation(
 
 
 def _tool_specs(tools: list[ToolSpec] | None) -> list[renderers.ToolSpec] | None:
+    """Tools exactly as the agent sent them (OpenAI's {"type", "function"} shape).
+
+    Chat templates paste each tool's JSON into the system prompt as given; real Qwen3 models
+    were trained on, and vLLM's own chat endpoint renders, the OpenAI shape, so flattening it
+    here would give the model a prompt it has never seen.
+    """
     if not tools:
         return None
-    return [
-        {
-            "name": t.function.name,
-            "description": t.function.description,
-            "parameters": t.function.parameters,
-        }
-        for t in tools
-    ]
+    return [t.model_dump(exclude_none=True) for t in tools]  # type: ignore[misc]
 
 
 def _to_renderer_message(message: ChatMessage) -> renderers.Message:

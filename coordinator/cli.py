@@ -1,0 +1,88 @@
+"""The `lockgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from lockgate.coordinator.config import describe_options, load_config
+
+
+def _error(message: str) -> int:
+    print(f"lockgate: {message}", file=sys.stderr)
+    return 2
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"config error: {where}: {first['msg']}{more}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lockgate", description="Fully-asynchronous RL for LLM agents."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train",
+        help="run a training job on this machine (replicas, gateway, trainer, loop)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start local vLLM replicas, the gateway and trainer ranks, and train.",
+        epilog="config options (YAML/TOML sections; override any with --set):\n"
+        + "\n".join(describe_options()),
+    )
+    train.add_argument("config", type=Path, help="run config file (.yaml, .yml or .toml)")
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an option, e.g. loop.steps=5",
+    )
+    train.add_argument("--run-dir", type=Path, help="override run_dir")
+    sub.add_parser(
+        "build-model", help="build (or find cached) the tiny offline test model; print its path"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "build-model":
+        from lockgate.trainer.tiny_model import ensure_tiny_model
+
+        print(ensure_tiny_model())
+        return 0
+    try:
+        config = load_config(args.config, args.set)
+    except FileNotFoundError as exc:
+        return _error(f"config file not found: {exc.filename}")
+    except ValidationError as exc:
+        return _error(_validation_message(exc))
+    except (ValueError, OSError) as exc:
+        return _error(f"{args.config}: {exc}")
+    if args.run_dir is not None:
+        config.run_dir = args.run_dir
+
+    from lockgate.coordinator.launch import train  # heavy imports only when training
+
+    try:
+        summary = train(config)
+    except KeyboardInterrupt:
+        return _error("interrupted; all processes stopped")
+    first, last = summary.first_last()
+    print(
+        f"done: {summary.steps} steps in {summary.elapsed_s:.0f}s, weights version {summary.version}\n"
+        f"mean reward: first steps {first:.3f} -> last steps {last:.3f}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

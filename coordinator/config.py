@@ -1,0 +1,140 @@
+"""The run's configuration: one typed tree, loaded from YAML or TOML, overridable from the CLI.
+
+Importing this module loads no torch or vLLM. Layering: field defaults < the config file <
+`--set section.field=value` flags. Derived values (the trainer's full config, the gateway's) are
+computed in one explicit step by `launch.py`, never by validators that mutate the config.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from lockgate.gateway.config import SamplingPolicy
+from lockgate.trainer.config import TrainerConfig
+
+
+class ModelSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: Path | None = Field(
+        default=None,
+        description="HF model dir. Unset: the tiny Qwen3-style model, built offline and cached.",
+    )
+
+
+class ReplicasSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(default=2, ge=1, description="Local vLLM replicas to start.")
+    urls: list[str] = Field(
+        default_factory=list, description="Use these running replicas instead of starting any."
+    )
+    kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per replica.")
+    max_model_len: int = Field(default=1024, ge=64, description="Context length of the replicas.")
+    startup_timeout_s: float = Field(default=300.0, gt=0, description="Wait for /health this long.")
+
+
+class GatewaySection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    port: int = Field(default=0, ge=0, description="Gateway port (0 picks a free one).")
+    sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
+
+
+class TrainerSection(TrainerConfig):
+    model_dir: Path | None = Field(  # type: ignore[assignment]
+        default=None, description="Filled from model.path at launch; leave unset."
+    )
+
+
+class LoopSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(default=20, ge=1, description="Trainer steps to run.")
+    groups_per_step: int = Field(default=4, ge=1, description="GRPO groups in one trainer batch.")
+    group_size: int = Field(default=8, ge=1, description="Rollouts per task (n).")
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        description="η: 0 is on-policy; 1 lets step k+1's rollouts run while k trains.",
+    )
+    sync_every: int = Field(default=1, ge=1, description="Weight sync after every this many steps.")
+    min_group_size: int = Field(
+        default=2, ge=1, description="Fewer usable rollouts drops the group."
+    )
+    drop_zero_variance: bool = Field(
+        default=False, description="Drop groups whose rewards are all equal (they carry no signal)."
+    )
+    normalize_std: bool = Field(
+        default=True, description="GRPO: divide advantages by the group std."
+    )
+    rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
+
+
+class EnvironmentSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: Path = Field(
+        default=Path("examples/toy/env.py"),
+        description="Python file defining make_environment(**args); relative to the config file.",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword args for it.")
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(default="run", description="Run name; the run dir defaults to runs/<name>.")
+    run_dir: Path | None = Field(default=None, description="Where logs, metrics and weights go.")
+    seed: int = Field(default=0, description="Seed for task order and the trainer.")
+    model: ModelSection = Field(default_factory=ModelSection)
+    replicas: ReplicasSection = Field(default_factory=ReplicasSection)
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    loop: LoopSection = Field(default_factory=LoopSection)
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+
+
+def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML or TOML file, apply `a.b=value` overrides (values parsed as YAML), validate.
+
+    Relative paths inside the file are taken relative to the file's directory.
+    """
+    text = path.read_text()
+    raw: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes section.field=value, got '{item}'")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: '{part}' is not a section")
+        node[leaf] = yaml.safe_load(value)
+    config = RunConfig.model_validate(raw)
+    base = path.parent
+    if not config.environment.path.is_absolute():
+        config.environment.path = (base / config.environment.path).resolve()
+    if config.model.path is not None and not config.model.path.is_absolute():
+        config.model.path = (base / config.model.path).resolve()
+    return config
+
+
+def describe_options(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """One line per option (`section.field  type = default  description`) for `--help`."""
+    lines: list[str] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.extend(describe_options(annotation, key + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        lines.append(f"  {key:<34} {type_name} = {default!r}\n      {field.description or ''}")
+    return lines

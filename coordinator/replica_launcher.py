@@ -1,0 +1,251 @@
+"""Start local vLLM(-CPU) OpenAI servers as child processes and wait until they serve.
+
+Every replica runs with `VLLM_SERVER_DEV_MODE=1`, which is what exposes the RL endpoints the
+gateway needs on vLLM 0.32 (`/pause`, `/resume`, `/collective_rpc` for `reload_weights`,
+`/update_weight_version`, `/weight_info`); no further server flag is needed for those on CPU.
+`--enable-scale-out` adds the token-in/token-out `/inference/v1/generate` route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lockgate.coordinator.processes import free_port, log_tail, spawn, terminate
+
+_POLL_S = 0.5
+_STOP_GRACE_S = 15.0
+_GROUP_EXIT_S = 5.0
+
+
+class ReplicaStartError(RuntimeError):
+    pass
+
+
+class ReplicaLaunchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: Path
+    count: int = Field(default=1, ge=1)
+    host: str = "127.0.0.1"
+    # None: a free port per replica; otherwise replica i listens on base_port + i.
+    base_port: int | None = Field(default=None, ge=1, le=65535)
+    kv_cache_gib: int = Field(default=1, ge=1)
+    max_model_len: int = Field(default=1024, ge=1)
+    dtype: str = "float32"
+    # None: replica i is pinned to the i-th usable CPU (round robin).
+    cpu_binds: list[str] | None = None
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    log_dir: Path
+    extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _enough_binds(self) -> Self:
+        if self.cpu_binds is not None and len(self.cpu_binds) < self.count:
+            raise ValueError(
+                f"cpu_binds has {len(self.cpu_binds)} entries for {self.count} replicas"
+            )
+        if self.base_port is not None and self.base_port + self.count - 1 > 65535:
+            raise ValueError("base_port + count - 1 exceeds 65535")
+        return self
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+
+def _usable_cpus() -> list[int]:
+    # os.cpu_count() counts the host's CPUs; in a container or under taskset only the affinity
+    # set can be bound, and binding outside it makes the vLLM worker fail at startup.
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def _url_host(host: str) -> str:
+    # A wildcard bind address is not something a client can connect to.
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _await_group_exit(pgid: int, timeout_s: float = _GROUP_EXIT_S) -> None:
+    # vLLM's engine core and worker outlive the server process by a moment and, orphaned, wait
+    # to be reaped by init; until then the group still exists. Waiting here lets callers rely
+    # on "stop() returned, so nothing of the replica is left". Bounded, as an init that never
+    # reaps would otherwise hang the caller on harmless zombies.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+class LocalReplicaSet:
+    """`count` vLLM servers on this machine; a context manager that starts and stops them."""
+
+    def __init__(self, config: ReplicaLaunchConfig) -> None:
+        self.config = config
+        self._replicas: list[Replica] = []
+        self._stopped: set[int] = set()
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas)
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self._replicas]
+
+    def command(self, port: int) -> list[str]:
+        c = self.config
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(c.model_dir),
+            "--host",
+            c.host,
+            "--port",
+            str(port),
+            "--dtype",
+            c.dtype,
+            "--max-model-len",
+            str(c.max_model_len),
+            "--enable-scale-out",
+            *c.extra_args,
+        ]
+
+    def environment(self, cpu_bind: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            # Without an explicit size vLLM-CPU wants most of the NUMA node's memory free, so a
+            # second replica on the same machine would fail to start.
+            "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+
+    def _ports(self) -> list[int]:
+        c = self.config
+        if c.base_port is not None:
+            return [c.base_port + i for i in range(c.count)]
+        ports: list[int] = []
+        while len(ports) < c.count:
+            # free_port() releases the port before returning it, so it can hand out the same
+            # one twice in a row.
+            port = free_port(c.host if c.host not in ("", "0.0.0.0", "::") else "127.0.0.1")
+            if port not in ports:
+                ports.append(port)
+        return ports
+
+    def start(self) -> None:
+        if self._replicas:
+            raise RuntimeError("this replica set has already been started")
+        c = self.config
+        cpus = _usable_cpus()
+        binds = c.cpu_binds or [str(cpus[i % len(cpus)]) for i in range(c.count)]
+        # All spawned before any is waited on: model loading dominates and runs in parallel.
+        try:
+            for i, port in enumerate(self._ports()):
+                log_path = c.log_dir / f"replica{i}.log"
+                proc = spawn(self.command(port), log_path, env=self.environment(binds[i]))
+                url = f"http://{_url_host(c.host)}:{port}"
+                self._replicas.append(Replica(i, url, port, log_path, proc))
+        except BaseException:
+            self.stop()
+            raise
+        try:
+            self._wait_healthy()
+        except BaseException:
+            # Also on KeyboardInterrupt: the servers must not outlive a failed start.
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        pending = list(self._replicas)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for replica in list(pending):
+                    code = replica.proc.poll()
+                    if code is not None:
+                        raise ReplicaStartError(
+                            f"replica {replica.index} ({replica.url}) exited with code {code} "
+                            f"before serving; log {replica.log_path}:\n{log_tail(replica.log_path)}"
+                        )
+                    try:
+                        if client.get(f"{replica.url}/health").status_code == 200:
+                            pending.remove(replica)
+                    except httpx.TransportError:
+                        pass
+                if not pending:
+                    return
+                if time.monotonic() >= deadline:
+                    replica = pending[0]
+                    raise ReplicaStartError(
+                        f"replica {replica.index} ({replica.url}) did not serve within "
+                        f"{self.config.startup_timeout_s:.0f}s; log {replica.log_path}:\n"
+                        f"{log_tail(replica.log_path)}"
+                    )
+                time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        """Stop every replica and whatever it started; safe to call more than once."""
+        live = [r for r in self._replicas if r.index not in self._stopped]
+        # SIGTERM to all first so the servers shut down side by side, not one grace at a time.
+        for replica in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(replica.proc.pid, signal.SIGTERM)
+        for replica in live:
+            terminate(replica.proc, grace_s=_STOP_GRACE_S)
+        for replica in live:
+            _await_group_exit(replica.proc.pid)
+            self._stopped.add(replica.index)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one replica's whole process group, as a crash would (for failover tests)."""
+        replica = self._replicas[index]
+        if index in self._stopped:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(replica.proc.pid, signal.SIGKILL)
+        replica.proc.wait(timeout=10.0)
+        _await_group_exit(replica.proc.pid)
+        self._stopped.add(index)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

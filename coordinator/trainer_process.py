@@ -1,0 +1,100 @@
+"""The trainer ranks as one child process tree (torchrun), driven through the file protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lockgate.coordinator.processes import log_tail, spawn, terminate
+from lockgate.trainer import protocol
+from lockgate.trainer.batch import StepResult, TrainBatch
+from lockgate.trainer.config import TrainerConfig
+
+
+class TrainerError(RuntimeError):
+    """The trainer failed a step or died; the message carries its traceback or log tail."""
+
+
+class TrainerProcess:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        run_dir: Path,
+        log_path: Path,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        # A fresh protocol state: stale batches or a STOP from an earlier run would confuse ranks.
+        for name in ("batches", "results"):
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
+        for name in (protocol.STOP, protocol.READY):
+            (self.run_dir / name).unlink(missing_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.config.world_size}",
+            "-m",
+            "lockgate.trainer.main",
+            "--run-dir",
+            str(self.run_dir),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.config.num_threads)}
+        self._proc = spawn(cmd, self.log_path, env=env)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not (self.run_dir / protocol.READY).exists():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TrainerError(
+                    f"trainer not ready after {self.startup_timeout_s:.0f}s:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        if self._proc is None:
+            raise TrainerError("trainer not started")
+        if self._proc.poll() is not None:
+            raise TrainerError(
+                f"trainer exited with code {self._proc.returncode}:\n{log_tail(self.log_path)}"
+            )
+
+    async def train_step(self, batch: TrainBatch) -> StepResult:
+        protocol.write_atomic(
+            protocol.batch_path(self.run_dir, batch.step), batch.model_dump_json()
+        )
+        result = protocol.result_path(self.run_dir, batch.step)
+        error = protocol.error_path(self.run_dir, batch.step)
+        while not result.exists():
+            if error.exists():
+                raise TrainerError(f"trainer failed step {batch.step}: {error.read_text()}")
+            self._check_alive()
+            await asyncio.sleep(0.02)
+        # The batch is consumed: drop it so a long run does not fill the disk with JSON.
+        protocol.batch_path(self.run_dir, batch.step).unlink(missing_ok=True)
+        return StepResult.model_validate_json(result.read_text())
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        protocol.write_atomic(self.run_dir / protocol.STOP, "")
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        terminate(proc)

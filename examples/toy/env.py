@@ -1,0 +1,82 @@
+"""Toy environment: learn to answer in numbers.
+
+The agent is an ordinary OpenAI SDK client pointed at its session URL. The reward is the share of
+generated tokens that are numbers (tokens whose text is digits and whitespace only). A randomly
+initialised model emits such tokens at roughly their share of the vocabulary, so the reward
+starts low; GRPO makes it rise within minutes on 2 CPU cores, which is what the main job shows.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+
+from openai import AsyncOpenAI
+from transformers import AutoTokenizer
+
+from lockgate.agent_runtime import Agent, RewardFn, RolloutContext, Task
+from lockgate.gateway.schema import CallRecord
+
+_WORDS = "apple river stone cloud seven green table light music paper storm quiet".split()
+
+
+class NumbersEnvironment:
+    def __init__(
+        self, model_dir: Path, *, num_tasks: int = 64, max_tokens: int = 24, seed: int = 0
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.max_tokens = max_tokens
+        rng = random.Random(seed)
+        self._tasks = [
+            Task(
+                id=f"numbers-{i}",
+                data={"prompt": "Answer with numbers only: " + " ".join(rng.sample(_WORDS, 3))},
+            )
+            for i in range(num_tasks)
+        ]
+
+    def train_tasks(self) -> Sequence[Task]:
+        return self._tasks
+
+    @cached_property
+    def number_tokens(self) -> frozenset[int]:
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        ids = set()
+        for token_id in range(len(tokenizer)):
+            text = tokenizer.decode([token_id])
+            if text.strip() and all(c.isdigit() or c.isspace() for c in text):
+                ids.add(token_id)
+        return frozenset(ids)
+
+    @property
+    def agent(self) -> Agent:
+        max_tokens = self.max_tokens
+
+        async def answer(task: Task, ctx: RolloutContext) -> float | None:
+            async with AsyncOpenAI(
+                base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0
+            ) as client:
+                await client.chat.completions.create(
+                    model=ctx.model,
+                    messages=[{"role": "user", "content": task.data["prompt"]}],
+                    max_tokens=max_tokens,
+                )
+            return None  # scored from the recorded tokens by `reward`
+
+        return answer
+
+    @property
+    def reward(self) -> RewardFn:
+        targets = self.number_tokens
+
+        def share_of_numbers(task: Task, calls: Sequence[CallRecord]) -> float:
+            tokens = [t for call in calls for t in call.completion_ids]
+            return sum(t in targets for t in tokens) / max(len(tokens), 1)
+
+        return share_of_numbers
+
+
+def make_environment(model_dir: Path, **args: object) -> NumbersEnvironment:
+    return NumbersEnvironment(model_dir, **args)  # type: ignore[arg-type]

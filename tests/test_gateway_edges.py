@@ -1,0 +1,371 @@
+"""Fast, deterministic gateway edge cases against a fake replica (in addition to the real-vLLM
+tests in test_gateway_vllm.py, never instead of them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from lockgate.gateway.app import create_app
+from lockgate.gateway.config import GatewayConfig
+
+ADMIN = "admin-token-for-tests"
+REPLICA = "http://fake-replica:8000"
+
+
+@dataclass
+class FakeReplica:
+    """Speaks the replica endpoints the gateway uses; answers fixed tokens."""
+
+    completion: list[int]
+    down: bool = False
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/inference/v1/generate":
+            import json
+
+            body = json.loads(request.content)
+            self.requests.append(body)
+            n = min(len(self.completion), body["sampling_params"]["max_tokens"])
+            ids = self.completion[:n]
+            return httpx.Response(
+                200,
+                json={
+                    "request_id": body["request_id"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop" if n == len(self.completion) else "length",
+                            "token_ids": ids,
+                            "logprobs": {
+                                "content": [
+                                    {"token_id": t, "logprob": -0.25 * (i + 1)}
+                                    for i, t in enumerate(ids)
+                                ]
+                            },
+                        }
+                    ],
+                },
+            )
+        return httpx.Response(200, json={})
+
+
+@dataclass
+class Harness:
+    client: httpx.AsyncClient
+    replica: FakeReplica
+    app: Any
+
+    async def session(self) -> dict[str, Any]:
+        r = await self.client.post("/admin/sessions", json={"task_id": "t"}, headers=_admin())
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    async def calls(self, sid: str) -> list[dict[str, Any]]:
+        r = await self.client.get(f"/admin/sessions/{sid}/calls", headers=_admin())
+        return r.json()["calls"]
+
+
+def _admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture
+async def harness(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Harness]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    completion = tok.encode("hello there", add_special_tokens=False) + [
+        tok.convert_tokens_to_ids("<|im_end|>")
+    ]
+    replica = FakeReplica(completion=completion)
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replica.handler))
+    config = GatewayConfig(
+        model_dir=tiny_model_dir,
+        replicas=[REPLICA],
+        db_path=tmp_path / "store.sqlite",
+        admin_token=ADMIN,
+        max_model_len=256,
+        max_pause_wait_s=2.0,
+    )
+    app = create_app(config, http=upstream)
+    gateway = app.state.gateway
+    await gateway.start()
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gw"
+    ) as client:
+        yield Harness(client, replica, app)
+    await gateway.close()
+    await upstream.aclose()
+
+
+def _chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def _assert_openai_error(resp: httpx.Response, status: int, needle: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"], err["message"]
+
+
+async def test_a_call_is_recorded_and_answered_in_openai_shape(harness: Harness) -> None:
+    s = await harness.session()
+    r = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "hello there"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    (call,) = await harness.calls(s["session_id"])
+    assert call["completion_ids"] == harness.replica.completion
+    assert call["logprobs"] == [-0.25 * (i + 1) for i in range(len(harness.replica.completion))]
+    assert call["prompt_ids"] == harness.replica.requests[0]["token_ids"]
+    assert call["sampling"]["temperature"] == 1.0
+    assert body["usage"]["completion_tokens"] == len(harness.replica.completion)
+
+
+async def test_the_session_key_works_on_plain_v1_and_cannot_reach_another_session(
+    harness: Harness,
+) -> None:
+    a, b = await harness.session(), await harness.session()
+    ok = await harness.client.post(
+        "/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {a['api_key']}"}
+    )
+    assert ok.status_code == 200
+    assert len(await harness.calls(a["session_id"])) == 1
+    cross = await harness.client.post(
+        f"{b['base_url']}/chat/completions",
+        json=_chat(),
+        headers={"Authorization": f"Bearer {a['api_key']}"},
+    )
+    _assert_openai_error(cross, 401, "different session")
+    assert await harness.calls(b["session_id"]) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "needle"),
+    [
+        ("/sessions/nope/v1/chat/completions", _chat(), {}, 404, "unknown session"),
+        ("/v1/chat/completions", _chat(), {}, 401, "missing API key"),
+        (
+            "/v1/chat/completions",
+            _chat(),
+            {"Authorization": "Bearer lg-sk-wrong"},
+            401,
+            "invalid API key",
+        ),
+        ("/admin/sessions", {"task_id": "t"}, {"Authorization": "Bearer nope"}, 401, "admin"),
+    ],
+)
+async def test_unknown_sessions_and_wrong_keys_are_refused(
+    harness: Harness,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    status: int,
+    needle: str,
+) -> None:
+    r = await harness.client.post(path, json=body, headers=headers)
+    _assert_openai_error(r, status, needle)
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}',
+            "unsupported parameter 'frequency_penalty'",
+        ),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n > 1"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "bad name!"}}]}',
+            "tools.0.function.name",
+        ),
+    ],
+)
+async def test_bad_requests_get_a_400_and_record_nothing(
+    harness: Harness, payload: bytes, needle: str
+) -> None:
+    s = await harness.session()
+    r = await harness.client.post(
+        f"{s['base_url']}/chat/completions",
+        content=payload,
+        headers={"content-type": "application/json"},
+    )
+    _assert_openai_error(r, 400, needle)
+    assert await harness.calls(s["session_id"]) == []
+    # and the gateway keeps serving
+    ok = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    assert ok.status_code == 200
+
+
+async def test_a_prompt_longer_than_the_context_is_refused(harness: Harness) -> None:
+    s = await harness.session()
+    r = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat("word " * 400))
+    _assert_openai_error(r, 400, "context")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert await harness.calls(s["session_id"]) == []
+
+
+async def test_a_replica_that_is_down_gives_503_and_the_gateway_recovers(harness: Harness) -> None:
+    s = await harness.session()
+    harness.replica.down = True
+    r = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    _assert_openai_error(r, 503, "no healthy replica")
+    assert await harness.calls(s["session_id"]) == []
+    harness.replica.down = False
+    status = (await harness.client.get("/admin/status", headers=_admin())).json()
+    assert status["replicas"][0]["healthy"] is False
+    # the health loop (every 2 s) puts it back in rotation
+    for _ in range(30):
+        await asyncio.sleep(0.2)
+        status = (await harness.client.get("/admin/status", headers=_admin())).json()
+        if status["replicas"][0]["healthy"]:
+            break
+    assert status["replicas"][0]["healthy"] is True
+    ok = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    assert ok.status_code == 200
+
+
+async def test_a_finished_session_takes_no_more_calls(harness: Harness) -> None:
+    s = await harness.session()
+    r = await harness.client.post(
+        f"/admin/sessions/{s['session_id']}/finish", json={"reward": 0.5}, headers=_admin()
+    )
+    assert r.json()["status"] == "finished" and r.json()["reward"] == 0.5
+    r = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    _assert_openai_error(r, 409, "finished")
+
+
+_ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+async def test_a_tool_turn_extends_the_exact_tokens_and_merges_into_one_sample(
+    harness: Harness, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    harness.replica.completion = tok.encode(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>',
+        add_special_tokens=False,
+    )
+    s = await harness.session()
+    url = f"{s['base_url']}/chat/completions"
+    first_messages = [{"role": "user", "content": "add 1 and 2"}]
+    first = await harness.client.post(url, json={"messages": first_messages, "tools": [_ADD_TOOL]})
+    message = first.json()["choices"][0]["message"]
+    assert first.json()["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+
+    history = [
+        *first_messages,
+        {"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "3"},
+    ]
+    second = await harness.client.post(url, json={"messages": history, "tools": [_ADD_TOOL]})
+    assert second.status_code == 200, second.text
+    calls = await harness.calls(s["session_id"])
+    assert calls[1]["extends_previous"] is True
+    prefix = calls[0]["prompt_ids"] + calls[0]["completion_ids"]
+    assert calls[1]["prompt_ids"][: len(prefix)] == prefix
+
+    samples = (
+        await harness.client.get(f"/admin/sessions/{s['session_id']}/samples", headers=_admin())
+    ).json()
+    assert samples["splits"] == 0
+    (merged,) = samples["samples"]
+    assert merged["call_indices"] == [0, 1]
+    assert merged["input_ids"] == calls[1]["prompt_ids"] + calls[1]["completion_ids"]
+    sampled = [t for t, m in zip(merged["input_ids"], merged["loss_mask"], strict=True) if m]
+    assert sampled == calls[0]["completion_ids"] + calls[1]["completion_ids"]
+
+
+async def test_a_new_user_turn_or_edited_history_is_re_rendered_and_counted(
+    harness: Harness,
+) -> None:
+    # Qwen3's template drops earlier turns' reasoning once a new user query arrives, so the
+    # renderer cannot prove the old tokens still stand: a full re-render, counted as a split.
+    s = await harness.session()
+    url = f"{s['base_url']}/chat/completions"
+    first = (await harness.client.post(url, json=_chat("hi"))).json()
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and then?"},
+    ]
+    assert (await harness.client.post(url, json={"messages": history})).status_code == 200
+    edited = [{"role": "user", "content": "something else"}, *history[1:]]
+    assert (await harness.client.post(url, json={"messages": edited})).status_code == 200
+    calls = await harness.calls(s["session_id"])
+    assert [c["extends_previous"] for c in calls] == [False, False, False]
+    samples = (
+        await harness.client.get(f"/admin/sessions/{s['session_id']}/samples", headers=_admin())
+    ).json()
+    assert samples["session"]["rerender_splits"] == 2
+    # Samples merge on tokens, not on how the prompt was made: this re-render reproduced the
+    # first call's exact tokens (no reasoning to drop), so calls 0 and 1 still form one
+    # sample; the edited history cannot, and starts a second one.
+    first_sample, second_sample = samples["samples"]
+    assert samples["splits"] == 1
+    assert first_sample["call_indices"] == [0, 1]
+    assert first_sample["input_ids"] == calls[1]["prompt_ids"] + calls[1]["completion_ids"]
+    assert second_sample["input_ids"] == calls[2]["prompt_ids"] + calls[2]["completion_ids"]
+
+
+async def test_calls_wait_while_paused_and_proceed_after_resume(harness: Harness) -> None:
+    s = await harness.session()
+    r = await harness.client.post("/admin/pause", json={}, headers=_admin())
+    assert r.json()["state"] == "paused"
+    pending = asyncio.create_task(
+        harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    )
+    await asyncio.sleep(0.3)
+    assert not pending.done()
+    assert (await harness.client.get("/admin/status", headers=_admin())).json()["waiting"] == 1
+    r = await harness.client.post("/admin/resume", json={"version": 3}, headers=_admin())
+    assert r.json()["state"] == "serving"
+    resp = await pending
+    assert resp.status_code == 200
+    (call,) = await harness.calls(s["session_id"])
+    assert call["versions"] == [{"version": 3, "start": 0, "end": len(call["completion_ids"])}]
+
+
+async def test_a_pause_that_outlasts_the_wait_limit_fails_calls_with_503(harness: Harness) -> None:
+    s = await harness.session()
+    await harness.client.post("/admin/pause", json={}, headers=_admin())
+    r = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
+    _assert_openai_error(r, 503, "paused")
+    assert await harness.calls(s["session_id"]) == []

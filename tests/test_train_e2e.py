@@ -1,0 +1,60 @@
+"""`lockgate train` end to end: real replicas, gateway, trainer ranks and loop in child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _processes_with_marker(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_short_training_run_completes_syncs_and_leaves_no_process(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    marker = f"LOCKGATE_TEST_RUN={uuid.uuid4().hex}"
+    env = {
+        **os.environ,
+        marker.split("=")[0]: marker.split("=")[1],
+        "LOCKGATE_CACHE": str(tiny_model_dir.parent),
+    }
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "lockgate.coordinator.cli", "train", str(ROOT / "examples/toy/config.yaml"),
+            "--run-dir", str(run_dir),
+            "--set", "loop.steps=3", "--set", "loop.groups_per_step=2", "--set", "loop.group_size=4",
+            "--set", "replicas.count=1",
+        ],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    print(result.stderr[-3000:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mean reward: first steps" in result.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["version"] for r in records] == [1, 2, 3]  # a weight sync after every step
+    assert all(r["batch/groups"] == 2 and r["batch/loss_tokens"] > 0 for r in records)
+    assert all(r["staleness/max"] <= 1 for r in records)  # max_staleness = 1
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+    assert _processes_with_marker(marker) == []
