@@ -1,9 +1,24 @@
-"""Group-relative advantages (pure)."""
+"""Group-relative advantages (pure): one scalar per rollout of a group, from the group's rewards.
+
+Estimators (`compute_advantages`):
+
+- grpo: (r_i - mean) / (std + eps), std the population standard deviation of the group.
+- grpo_no_std: r_i - mean. Dividing by the std up-weights groups whose rewards barely differ
+  (nearly solved or nearly hopeless tasks); leaving it out keeps the reward's scale.
+- rloo: r_i - mean of the *other* rollouts' rewards (REINFORCE leave-one-out). The baseline
+  does not depend on r_i, so the estimate stays unbiased; it equals n / (n - 1) * (r_i - mean).
+- dr_grpo: Dr. GRPO's advantage is grpo_no_std. Its other fix, removing the per-sequence
+  length normalisation, is not an advantage at all: it is the trainer's loss aggregation
+  `seq-mean-token-sum` (trainer/config.py, `loss_agg`).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
+
+AdvantageEstimator = Literal["grpo", "grpo_no_std", "rloo", "dr_grpo"]
 
 
 def grpo_advantages(
@@ -21,3 +36,26 @@ def grpo_advantages(
         return centred
     std = math.sqrt(sum(c * c for c in centred) / len(rewards))
     return [c / (std + eps) for c in centred]
+
+
+def rloo_advantages(rewards: Sequence[float]) -> list[float]:
+    """A_i = r_i - (sum(r) - r_i) / (n - 1). A group of one has no baseline: its advantage is 0."""
+    n = len(rewards)
+    if n < 2:
+        return [0.0] * n
+    total = sum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
+def compute_advantages(
+    rewards: Sequence[float], estimator: AdvantageEstimator, *, eps: float = 1e-6
+) -> list[float]:
+    """One advantage per reward, in order; `eps` only matters for "grpo"."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards, normalize_std=True, eps=eps)
+    if estimator in ("grpo_no_std", "dr_grpo"):
+        return grpo_advantages(rewards, normalize_std=False)
+    if estimator == "rloo":
+        return rloo_advantages(rewards)
+    known = ", ".join(get_args(AdvantageEstimator))
+    raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {known}")

@@ -65,6 +65,15 @@ class TrainerProcess:
                 )
             time.sleep(0.1)
 
+    def resumed_step(self) -> int:
+        """The step whose checkpoint the trainer resumed from; 0 for a fresh start.
+
+        Valid once `start()` has returned. The next batch must be step `resumed_step() + 1`, and
+        after a resume the weights of that step are at `protocol.snapshot_dir(run_dir, step)`.
+        """
+        _, step = protocol.parse_ready((self.run_dir / protocol.READY).read_text())
+        return step
+
     def _check_alive(self) -> None:
         if self._proc is None:
             raise TrainerError("trainer not started")

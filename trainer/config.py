@@ -1,4 +1,10 @@
-"""The trainer's configuration. Importing it loads no torch, so the coordinator's CLI stays fast."""
+"""The trainer's configuration. Importing it loads no torch, so the coordinator's CLI stays fast.
+
+Every default keeps the plain objective: PPO-clip against the rollout logprobs ("bypass"), no
+truncated importance sampling, token-mean aggregation, no KL penalty (so no reference model is
+loaded), no entropy bonus, a constant learning rate, one optimizer update per batch, no
+checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+PpoMode = Literal["bypass", "decoupled"]
+TisLevel = Literal["none", "token", "sequence"]
+LrSchedule = Literal["constant", "linear", "cosine"]
 
 
 class TrainerConfig(BaseModel):
@@ -18,28 +27,119 @@ class TrainerConfig(BaseModel):
     num_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
     seed: int = Field(default=0, description="Seed of the trainer's RNG.")
 
-    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate.")
+    lr: float = Field(default=1e-5, gt=0, description="AdamW peak learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(
         default=1.0, gt=0, description="Clip the global gradient norm to this."
     )
+    lr_schedule: LrSchedule = Field(
+        default="constant",
+        description=(
+            "Learning rate after warmup: constant, or decayed linearly / along a half cosine "
+            "to lr * min_lr_ratio over decay_steps trainer steps."
+        ),
+    )
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Linear warmup: trainer step k <= warmup_steps uses lr * k / warmup_steps.",
+    )
+    decay_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Trainer steps after warmup over which linear/cosine decay to the floor.",
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="The decayed learning rate's floor, as lr * this."
+    )
 
+    ppo_mode: PpoMode = Field(
+        default="bypass",
+        description=(
+            "bypass: the PPO ratio is pi_theta / pi_rollout (no extra forward pass). decoupled: "
+            "the ratio is pi_theta / pi_prox, pi_prox being the weights at the start of the step, "
+            "times the behaviour weight pi_prox / pi_rollout (AReaL's decoupled PPO)."
+        ),
+    )
     clip_eps_low: float = Field(default=0.2, ge=0, description="PPO clip: ratio >= 1 - this.")
     clip_eps_high: float = Field(default=0.28, ge=0, description="PPO clip: ratio <= 1 + this.")
+    tis_level: TisLevel = Field(
+        default="none",
+        description=(
+            "Truncated importance sampling of the behaviour weight pi_prox / pi_rollout "
+            "(decoupled mode only): per token, or one weight per sequence (the product of its "
+            "trained tokens' ratios), capped at tis_cap. none: the weight is used untruncated."
+        ),
+    )
+    tis_cap: float = Field(
+        default=2.0, ge=1, description="Truncated importance sampling: weights above this are cut."
+    )
     loss_agg: LossAggregation = Field(
         default="token-mean", description="How per-token losses become the batch loss."
     )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Weight of the k3 KL penalty to the initial weights. 0 loads no reference model; "
+            "above 0 a frozen, sharded copy of model_dir is loaded beside the policy."
+        ),
+    )
+    entropy_coef: float = Field(
+        default=0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss)."
+    )
+    mini_batches: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Optimizer updates per batch, each on an equal slice of its samples. Above 1, "
+            "decoupled mode's proximal policy differs from the policy being updated."
+        ),
+    )
     micro_batch_tokens: int = Field(
         default=4096, ge=16, description="Padded tokens per forward pass (gradient accumulation)."
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each decoder layer's activations in backward: less memory, about a "
+            "third more compute."
+        ),
     )
     keep_snapshots: int = Field(
         default=3, ge=2, description="Weight snapshots kept on disk (older ones are deleted)."
     )
 
+    checkpoint_every: int = Field(
+        default=0,
+        ge=0,
+        description="Write a DCP checkpoint after every this many trainer steps; 0 never does.",
+    )
+    keep_checkpoints: int = Field(
+        default=2, ge=1, description="Checkpoints kept on disk (older ones are deleted)."
+    )
+    resume: bool = Field(
+        default=False,
+        description=(
+            "Continue from the newest checkpoint in the run dir, if there is one. When false, "
+            "checkpoints left in the run dir by an earlier run are deleted at start."
+        ),
+    )
+
     @model_validator(mode="after")
-    def _clip_range(self) -> TrainerConfig:
+    def _consistent(self) -> TrainerConfig:
         if self.clip_eps_low >= 1:
             raise ValueError("clip_eps_low must be below 1 (the ratio's lower clip would be <= 0)")
+        if self.tis_level != "none" and self.ppo_mode != "decoupled":
+            raise ValueError(
+                f"tis_level={self.tis_level!r} needs ppo_mode='decoupled': in bypass mode the old "
+                "policy is the rollout policy, so there is no behaviour weight to truncate (the "
+                "PPO ratio pi_theta / pi_rollout already carries the mismatch)"
+            )
+        if self.lr_schedule == "constant" and self.decay_steps is not None:
+            raise ValueError("decay_steps only applies to lr_schedule 'linear' or 'cosine'")
+        if self.lr_schedule != "constant" and self.decay_steps is None:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} needs decay_steps")
         return self

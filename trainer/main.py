@@ -1,7 +1,9 @@
 """The trainer rank program: `torchrun ... -m lockgate.trainer.main --run-dir DIR`.
 
-Every rank loads the policy, shards it with FSDP2 and then serves steps through the file
-protocol in `protocol.py`: wait for step k's batch, train, export a weight snapshot, answer.
+Every rank loads the policy (and, with a KL penalty, a frozen reference copy), shards it with
+FSDP2, resumes from the newest checkpoint if asked, and then serves steps through the file
+protocol in `protocol.py`: wait for step k's batch, train, export a weight snapshot, checkpoint
+when due, answer.
 Rank 0 decides what comes next (a batch or STOP) and tells the others, so all ranks always
 agree on which collective they enter.
 """
@@ -9,7 +11,10 @@ agree on which collective they enter.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
+import signal
 import sys
 import time
 import traceback
@@ -21,6 +26,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
+from lockgate.trainer.checkpoint import (
+    clear_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.export import prune_snapshots, write_snapshot
 from lockgate.trainer.model import load_policy
@@ -29,6 +40,7 @@ from lockgate.trainer.step import train_step
 
 log = logging.getLogger("lockgate.trainer")
 _POLL_S = 0.02
+_PR_SET_PDEATHSIG = 1
 
 
 def _next_step(run_dir: Path, step: int, world: Distributed) -> bool:
@@ -60,47 +72,139 @@ def _export(
     return out
 
 
+def _reference_model(config: TrainerConfig, world: Distributed) -> torch.nn.Module | None:
+    """The frozen initial policy for the KL penalty, sharded like the policy; None without one."""
+    if config.kl_coef == 0:
+        return None
+    # model_dir holds the initial weights even when the policy resumes from a checkpoint.
+    reference = load_policy(config.model_dir, world.device).eval().requires_grad_(False)
+    shard_model(reference, world.mesh)
+    return reference
+
+
+def _restore(
+    run_dir: Path,
+    config: TrainerConfig,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world: Distributed,
+) -> int:
+    """Load the newest checkpoint when resuming; returns its step (0: a fresh start)."""
+    root = protocol.checkpoints_dir(run_dir)
+    # Rank 0 looks and tells the others, so all ranks load the same checkpoint.
+    found: list[str | None] = [None]
+    if world.is_main:
+        if config.resume:
+            latest = latest_checkpoint(root)
+            found = [str(latest[1]) if latest else None]
+            if latest is None:
+                log.info("resume: no checkpoint under %s, starting from %s", root, config.model_dir)
+        elif removed := clear_checkpoints(root):
+            log.warning("resume is off: deleted an earlier run's checkpoints %s", removed)
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is None:
+        return 0
+    step = load_checkpoint(Path(found[0]), policy, optimizer, world)
+    log.info("resumed from %s (step %d)", found[0], step)
+    return step
+
+
+def _train_one(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    config: TrainerConfig,
+    run_dir: Path,
+    step: int,
+    world: Distributed,
+) -> StepResult:
+    batch = TrainBatch.model_validate_json(protocol.batch_path(run_dir, step).read_text())
+    if batch.step != step:
+        raise ValueError(f"batch file of step {step} holds step {batch.step}")
+    metrics = train_step(policy, optimizer, batch, config, world, reference)
+    started = time.perf_counter()
+    weights = _export(policy, config, run_dir, step, world)
+    metrics["export_time_s"] = time.perf_counter() - started
+    if config.checkpoint_every and step % config.checkpoint_every == 0:
+        # Before the result: once the coordinator sees step k done, its checkpoint is durable.
+        started = time.perf_counter()
+        save_checkpoint(
+            protocol.checkpoints_dir(run_dir),
+            step,
+            policy,
+            optimizer,
+            world,
+            keep=config.keep_checkpoints,
+        )
+        metrics["checkpoint_time_s"] = time.perf_counter() - started
+    return StepResult(step=step, weights_dir=str(weights), metrics=metrics)
+
+
 def serve(run_dir: Path) -> None:
     config = TrainerConfig.model_validate_json((run_dir / "config.json").read_text())
     world = init_distributed()
     torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
-    model = load_policy(config.model_dir, world.device)
-    shard_model(model, world.mesh)
+    policy = load_policy(config.model_dir, world.device)
+    shard_model(policy, world.mesh, activation_checkpointing=config.activation_checkpointing)
+    reference = _reference_model(config, world)
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        policy.parameters(),
         lr=config.lr,
         betas=config.betas,
         weight_decay=config.weight_decay,
         eps=config.eps,
     )
+    resumed = _restore(run_dir, config, policy, optimizer, world)
+    if resumed:
+        # The snapshot of step N may have been pruned since; the coordinator syncs replicas to it.
+        _export(policy, config, run_dir, resumed, world)
     dist.barrier()
     if world.is_main:
-        protocol.write_atomic(run_dir / protocol.READY, f"{world.world_size}\n")
-        log.info("trainer ready: %d rank(s)", world.world_size)
+        protocol.write_atomic(
+            run_dir / protocol.READY, protocol.ready_text(world.world_size, resumed)
+        )
+        log.info("trainer ready: %d rank(s), next step %d", world.world_size, resumed + 1)
 
-    step = 1
+    step = resumed + 1
     while _next_step(run_dir, step, world):
         try:
-            batch = TrainBatch.model_validate_json(protocol.batch_path(run_dir, step).read_text())
-            metrics = train_step(model, optimizer, batch, config, world)
-            export_started = time.perf_counter()
-            weights = _export(model, config, run_dir, step, world)
-            metrics["export_time_s"] = time.perf_counter() - export_started
+            result = _train_one(policy, reference, optimizer, config, run_dir, step, world)
         except Exception:
             protocol.write_atomic(
                 protocol.error_path(run_dir, step), f"rank {world.rank}:\n{traceback.format_exc()}"
             )
             raise
         if world.is_main:
-            result = StepResult(step=step, weights_dir=str(weights), metrics=metrics)
             protocol.write_atomic(protocol.result_path(run_dir, step), result.model_dump_json())
-            log.info("step %d: loss %.4f, %.2fs", step, metrics["loss"], metrics["step_time_s"])
+            log.info(
+                "step %d: loss %.4f, %.2fs",
+                step,
+                result.metrics["loss"],
+                result.metrics["step_time_s"],
+            )
         step += 1
     dist.destroy_process_group()
 
 
+def _die_with_launcher() -> None:
+    """SIGKILL this rank when torchrun dies.
+
+    torchrun starts each rank in a session of its own, so killing torchrun's process group
+    (what a crash of the coordinator or `kill -9` does) would leave the ranks running: still
+    polling the run dir, holding memory or a GPU, and answering the next trainer's batches.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:  # it died before the signal was armed
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_launcher()
     parser = argparse.ArgumentParser(prog="python -m lockgate.trainer.main")
     parser.add_argument("--run-dir", type=Path, required=True, help="holds config.json")
     args = parser.parse_args(argv)

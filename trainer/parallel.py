@@ -1,7 +1,9 @@
 """Process group and FSDP2 sharding.
 
 CPU ranks talk over gloo, GPU ranks over NCCL; the model code is the same. Each decoder layer
-is its own FSDP2 unit so only one layer's full parameters are gathered at a time.
+is its own FSDP2 unit so only one layer's full parameters are gathered at a time. Activation
+checkpointing, when asked for, wraps each layer before it is sharded (torchtitan's order), so
+FSDP2 shards the wrapper and recomputation re-gathers the layer's parameters like a forward.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -45,16 +48,36 @@ def init_distributed() -> Distributed:
     return Distributed(dist.get_rank(), dist.get_world_size(), device, mesh)
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    return layers
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    The wrapper's parameter names gain a prefix that torch's state-dict utilities strip, so
+    snapshots and checkpoints keep the HF names (and a checkpoint loads with or without it).
+    """
+    layers = _decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The RNG state is kept (the default) so a model with dropout recomputes the same masks.
+        layers[i] = checkpoint_wrapper(layer)
+
+
+def shard_model(
+    model: torch.nn.Module, mesh: DeviceMesh, *, activation_checkpointing: bool = False
+) -> None:
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
     # bf16 compute with fp32 gradients on GPU; fp32 throughout on CPU (parity with vLLM's fp32).
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mesh.device_type == "cuda"
         else MixedPrecisionPolicy()
     )
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
-    for layer in layers:
+    for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -1,9 +1,17 @@
 """The file protocol between the coordinator and the trainer ranks (one run dir, no sockets).
 
 The coordinator writes `batches/step_{k}.json`; every rank reads it. Rank 0 answers with
-`results/step_{k}.json`, or `results/step_{k}.error` carrying the traceback. `ready` appears
-once every rank holds the model; `STOP` asks the ranks to exit. Every file is written to a
-temporary name and renamed, so a reader never sees half of one.
+`results/step_{k}.json`, or `results/step_{k}.error` carrying the traceback. `STOP` asks the
+ranks to exit. Every file is written to a temporary name and renamed, so a reader never sees
+half of one.
+
+`ready` appears once every rank holds the model. It reads "WORLD_SIZE RESUMED_STEP" (see
+`ready_text` / `parse_ready`). RESUMED_STEP is 0 for a fresh start, or N when the trainer was
+started with `resume: true` and found its newest checkpoint, `checkpoints/step_N` (written
+every `checkpoint_every` steps, complete before that step's result file appears). Either way
+the next batch the trainer waits for is step RESUMED_STEP + 1. A resumed trainer has just
+re-exported the checkpoint's weights to `weights/step_N`, so the coordinator can bring the
+replicas to version N before it sends step N + 1.
 """
 
 from __future__ import annotations
@@ -29,6 +37,22 @@ def error_path(run_dir: Path, step: int) -> Path:
 
 def snapshot_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "weights" / f"step_{step}"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def ready_text(world_size: int, resumed_step: int) -> str:
+    return f"{world_size} {resumed_step}\n"
+
+
+def parse_ready(text: str) -> tuple[int, int]:
+    """(world size, resumed step) from a `ready` file's text."""
+    fields = text.split()
+    if len(fields) != 2:
+        raise ValueError(f"malformed ready file: {text!r} (expected 'WORLD_SIZE RESUMED_STEP')")
+    return int(fields[0]), int(fields[1])
 
 
 def write_atomic(path: Path, text: str) -> None:
