@@ -1,5 +1,13 @@
 """Running agents: one rollout of an agent on a task against its own gateway session."""
 
+from lockgate.agent_runtime.command import (
+    CommandAgent,
+    CommandExited,
+    CommandFailed,
+    CommandOutputInvalid,
+    CommandTimedOut,
+)
+from lockgate.agent_runtime.environments import CommandEnvironment, load_tasks_jsonl
 from lockgate.agent_runtime.rollout import run_group, run_rollout
 from lockgate.agent_runtime.types import (
     Agent,
@@ -12,11 +20,18 @@ from lockgate.agent_runtime.types import (
 
 __all__ = [
     "Agent",
+    "CommandAgent",
+    "CommandEnvironment",
+    "CommandExited",
+    "CommandFailed",
+    "CommandOutputInvalid",
+    "CommandTimedOut",
     "Environment",
     "RewardFn",
     "RolloutContext",
     "RolloutResult",
     "Task",
+    "load_tasks_jsonl",
     "run_group",
     "run_rollout",
 ]

@@ -2,6 +2,9 @@
 
 A failing, hanging or reward-less rollout fails its own session with the reason recorded; it
 never raises into the caller, so one bad agent cannot stop a training run.
+
+Where the reward comes from, first match wins: the reward function (when configured), the
+agent's return value, the reward the agent posted to the gateway for its session.
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ async def run_rollout(
             calls = await gateway.calls(created.session_id)
             value = reward_fn(task, calls)
             reward = float(await value if inspect.isawaitable(value) else value)
+        elif reward is None:
+            # The agent may have posted its reward to POST /sessions/<sid>/reward instead
+            # (how an agent in another language or process reports one).
+            reward = (await gateway.session(created.session_id)).reward
         if reward is None:
-            error = "the agent returned no reward and no reward function is configured"
+            error = (
+                "no reward: the agent returned none, posted none to the gateway, and no "
+                "reward function is configured"
+            )
     except TimeoutError:
         error = f"rollout timed out after {timeout_s}s"
     except Exception as exc:

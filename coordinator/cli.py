@@ -48,7 +48,29 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "build-model", help="build (or find cached) the tiny offline test model; print its path"
     )
+    report = sub.add_parser(
+        "report",
+        help="plot a run's metrics into RUN_DIR/report/ (or compare several runs)",
+        description="Write PNG plots and a self-contained report.html from each run's "
+        "metrics.jsonl. One run: RUN_DIR/report/ by default. Several runs: their reward curves "
+        "overlaid, written to --out.",
+    )
+    report.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="a run dir")
+    report.add_argument("--out", type=Path, help="output dir (needed with several runs)")
     return parser
+
+
+def _report(run_dirs: list[Path], out: Path | None) -> int:
+    from lockgate.coordinator.report import ReportError, write_report  # matplotlib is slow
+
+    try:
+        report = write_report(run_dirs, out)
+    except ReportError as exc:
+        return _error(str(exc))
+    except OSError as exc:
+        return _error(f"cannot write the report: {exc}")
+    print(report.html)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_tiny_model())
         return 0
+    if args.command == "report":
+        return _report(args.run_dirs, args.out)
     try:
         config = load_config(args.config, args.set)
     except FileNotFoundError as exc:

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lockgate.coordinator.advantages import AdvantageEstimator
 from lockgate.gateway.config import SamplingPolicy
+from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
 
 
@@ -41,6 +43,27 @@ class GatewaySection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     port: int = Field(default=0, ge=0, description="Gateway port (0 picks a free one).")
     sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
+    max_pause_wait_s: float = Field(
+        default=600.0, gt=0, description="A call held by a weight sync fails (503) after this."
+    )
+
+
+class SyncSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: PauseMode = Field(
+        default="abort",
+        description="How a weight sync treats calls in flight: abort (cut them, keep their "
+        "tokens, continue under the new weights; versions per token), keep (vLLM freezes "
+        "them; versions as spans), drain (let them finish under the old weights).",
+    )
+    partial_rollout: bool = Field(
+        default=True,
+        description="With mode=abort: continue cut calls under the new weights. Off: cut calls "
+        "fail and their rollouts are dropped (counted), so no sample mixes versions.",
+    )
+    pause_timeout_s: float = Field(
+        default=600.0, gt=0, description="Give up a pause (and keep serving) after this long."
+    )
 
 
 class TrainerSection(TrainerConfig):
@@ -66,19 +89,64 @@ class LoopSection(BaseModel):
     drop_zero_variance: bool = Field(
         default=False, description="Drop groups whose rewards are all equal (they carry no signal)."
     )
-    normalize_std: bool = Field(
-        default=True, description="GRPO: divide advantages by the group std."
+    advantage_estimator: AdvantageEstimator = Field(
+        default="grpo",
+        description="grpo (group mean/std), grpo_no_std, rloo (leave-one-out baseline) or "
+        "dr_grpo (mean-centred; pair it with trainer.loss_agg=seq-mean-token-sum).",
     )
     rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
 
 
 class EnvironmentSection(BaseModel):
+    """Either a Python environment file (`path`) or an agent command run per rollout."""
+
     model_config = ConfigDict(extra="forbid")
-    path: Path = Field(
+    path: Path | None = Field(
         default=Path("examples/toy/env.py"),
-        description="Python file defining make_environment(**args); relative to the config file.",
+        description="Python file defining make_environment(**args); relative to the config file."
+        " Not used with `command`.",
     )
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword args for it.")
+    command: list[str] | None = Field(
+        default=None,
+        description="Agent program run once per rollout, any language (e.g. [python3, agent.py]);"
+        ' it gets OPENAI_BASE_URL/OPENAI_API_KEY and prints {"reward": x} last. Needs `tasks`.',
+    )
+    tasks: Path | None = Field(
+        default=None,
+        description='JSONL tasks for `command`, one {"id": ..., ...data} per line; relative to'
+        " the config file.",
+    )
+    workdir: Path | None = Field(
+        default=None,
+        description="Working directory of `command`; relative to the config file, which is the"
+        " default.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword args for make_environment, or with `command` for CommandEnvironment"
+        " (timeout_s, env, output_limit_kib, kill_grace_s).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_source(cls, data: Any) -> Any:
+        # Runs before defaults apply, so a `command` config does not inherit the default `path`.
+        if not isinstance(data, dict):
+            return data
+        if data.get("command") is None:
+            if "path" in data and data["path"] is None:
+                raise ValueError("set `path` (a Python environment file) or `command`")
+            unused = [key for key in ("tasks", "workdir") if data.get(key) is not None]
+            if unused:
+                raise ValueError(f"{' and '.join(unused)} only apply with `command`")
+            return data
+        if data.get("path") is not None:
+            raise ValueError(
+                "set `path` (a Python environment file) or `command` (an agent program), not both"
+            )
+        if data.get("tasks") is None:
+            raise ValueError("`command` needs `tasks`: a JSONL file with one task per line")
+        return {**data, "path": None}
 
 
 class RunConfig(BaseModel):
@@ -89,6 +157,7 @@ class RunConfig(BaseModel):
     model: ModelSection = Field(default_factory=ModelSection)
     replicas: ReplicasSection = Field(default_factory=ReplicasSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
+    sync: SyncSection = Field(default_factory=SyncSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     loop: LoopSection = Field(default_factory=LoopSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
@@ -118,8 +187,13 @@ def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
         node[leaf] = yaml.safe_load(value)
     config = RunConfig.model_validate(raw)
     base = path.parent
-    if not config.environment.path.is_absolute():
-        config.environment.path = (base / config.environment.path).resolve()
+    env = config.environment
+    if env.path is not None and not env.path.is_absolute():
+        env.path = (base / env.path).resolve()
+    if env.tasks is not None and not env.tasks.is_absolute():
+        env.tasks = (base / env.tasks).resolve()
+    if env.command is not None:
+        env.workdir = (base / (env.workdir or Path("."))).resolve()
     if config.model.path is not None and not config.model.path.is_absolute():
         config.model.path = (base / config.model.path).resolve()
     return config

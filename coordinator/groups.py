@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockgate.coordinator.advantages import grpo_advantages
+from lockgate.coordinator.advantages import AdvantageEstimator, compute_advantages
 from lockgate.gateway.schema import SessionSamples
 from lockgate.trainer.batch import TrainSample
 
@@ -50,8 +50,10 @@ def drop_reason(group: Group, *, min_group_size: int, drop_zero_variance: bool) 
     return None
 
 
-def group_to_train_samples(group: Group, *, normalize_std: bool = True) -> list[TrainSample]:
-    advantages = grpo_advantages(group.rewards, normalize_std=normalize_std)
+def group_to_train_samples(
+    group: Group, *, estimator: AdvantageEstimator = "grpo"
+) -> list[TrainSample]:
+    advantages = compute_advantages(group.rewards, estimator)
     out: list[TrainSample] = []
     for rollout, adv in zip(group.rollouts, advantages, strict=True):
         for sample in rollout.samples.samples:

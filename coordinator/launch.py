@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from lockgate.agent_runtime import Environment
-from lockgate.coordinator.config import RunConfig
+from lockgate.agent_runtime import CommandEnvironment, Environment
+from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop
 from lockgate.coordinator.metrics import MetricsLog
@@ -35,7 +35,24 @@ def _say(message: str) -> None:
     print(f"[lockgate] {message}", file=sys.stderr, flush=True)
 
 
-def load_environment(path: Path, model_dir: Path, args: dict[str, object]) -> Environment:
+def load_environment(
+    section: EnvironmentSection, model_dir: Path, log_dir: Path | None = None
+) -> Environment:
+    """The run's environment: a CommandEnvironment for `command`, else the Python file's.
+
+    `log_dir` receives one stderr log per command rollout.
+    """
+    args = section.args
+    if section.command is not None:
+        assert section.tasks is not None  # EnvironmentSection guarantees it
+        try:
+            return CommandEnvironment(
+                section.command, section.tasks, cwd=section.workdir, log_dir=log_dir, **args
+            )
+        except TypeError as exc:
+            raise ValueError(f"environment.args do not fit a command environment: {exc}") from exc
+    path = section.path
+    assert path is not None  # EnvironmentSection guarantees path or command
     if not path.is_file():
         raise FileNotFoundError(f"environment file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"lockgate_env_{path.stem}", path)
@@ -59,7 +76,7 @@ def train(config: RunConfig) -> RunSummary:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
 
     model_dir = config.model.path or ensure_tiny_model()
-    env = load_environment(config.environment.path, model_dir, config.environment.args)
+    env = load_environment(config.environment, model_dir, run_dir / "logs" / "agents")
     trainer_config = TrainerConfig.model_validate(
         {**config.trainer.model_dump(), "model_dir": model_dir, "seed": config.seed}
     )
@@ -90,6 +107,8 @@ def train(config: RunConfig) -> RunSummary:
                 admin_token=admin_token,
                 max_model_len=config.replicas.max_model_len,
                 sampling=config.gateway.sampling,
+                max_pause_wait_s=config.gateway.max_pause_wait_s,
+                partial_rollout=config.sync.partial_rollout,
             ),
             run_dir,
             port=config.gateway.port,
@@ -110,7 +129,13 @@ def train(config: RunConfig) -> RunSummary:
             async with GatewayClient(gateway.url, admin_token) as client:
                 try:
                     loop = TrainingLoop(
-                        config.loop, env, client, trainer, metrics, seed=config.seed
+                        config.loop,
+                        env,
+                        client,
+                        trainer,
+                        metrics,
+                        sync=config.sync,
+                        seed=config.seed,
                     )
                     return await loop.run()
                 finally:

@@ -24,15 +24,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
-from lockgate.coordinator.config import LoopSection
+from lockgate.coordinator.config import LoopSection, SyncSection
 from lockgate.coordinator.groups import Group, Rollout, drop_reason, group_to_train_samples
 from lockgate.coordinator.metrics import MetricsLog
 from lockgate.coordinator.staleness import StalenessController
 from lockgate.coordinator.trainer_process import TrainerProcess
-from lockgate.gateway.client import GatewayClient
+from lockgate.gateway.client import GatewayClient, GatewayClientError
 from lockgate.trainer.batch import StepResult, TrainBatch
 
 log = logging.getLogger(__name__)
+
+
+class SyncFailed(RuntimeError):
+    """No replica took the new weights; the run stops, still serving the old version."""
 
 
 @dataclass
@@ -59,9 +63,11 @@ class TrainingLoop:
         trainer: TrainerProcess,
         metrics: MetricsLog,
         *,
+        sync: SyncSection | None = None,
         seed: int = 0,
     ) -> None:
         self.config = config
+        self.sync = sync or SyncSection()
         self.env = env
         self.gateway = gateway
         self.trainer = trainer
@@ -73,6 +79,9 @@ class TrainingLoop:
         self._version_changed = asyncio.Condition()
         self._counters: Counter[str] = Counter()
         self._gen_tokens = 0
+        # Throughput is measured between step records, over everything collected meanwhile
+        # (groups collected while the previous step trained count too).
+        self._rate_mark = (time.monotonic(), 0)
         self._seed = seed
 
     async def run(self) -> RunSummary:
@@ -163,27 +172,28 @@ class TrainingLoop:
 
     async def _step(self, step: int) -> float:
         wait_started = time.monotonic()
-        gen_tokens_before = self._gen_tokens
         groups = [await self._ready.get() for _ in range(self.config.groups_per_step)]
         wait_s = time.monotonic() - wait_started
 
         samples = [
             s
             for g in groups
-            for s in group_to_train_samples(g, normalize_std=self.config.normalize_std)
+            for s in group_to_train_samples(g, estimator=self.config.advantage_estimator)
         ]
         # The trainer at step k starts from weights version k-1: staleness counts versions behind.
         staleness = [(step - 1) - v for g in groups for v in g.token_versions()]
         result: StepResult = await self.trainer.train_step(TrainBatch(step=step, samples=samples))
         train_s = result.metrics.get("step_time_s", 0.0)
 
-        sync_s = 0.0
+        sync: dict[str, float] = {"time/sync_s": 0.0}
         if step % self.config.sync_every == 0:
-            sync_s = await self._sync(result.weights_dir, step)
+            sync = await self._sync(result.weights_dir, step)
 
         rewards = [r for g in groups for r in g.rewards]
         reward_mean = sum(rewards) / len(rewards)
-        elapsed = max(time.monotonic() - wait_started, 1e-9)
+        now = time.monotonic()
+        mark_time, mark_tokens = self._rate_mark
+        self._rate_mark = (now, self._gen_tokens)
         record: dict[str, Any] = {
             "step": step,
             "version": self.version,
@@ -196,30 +206,55 @@ class TrainingLoop:
             "staleness/mean": sum(staleness) / max(len(staleness), 1),
             "staleness/max": max(staleness, default=0),
             "staleness/min_version": min((step - 1) - s for s in staleness) if staleness else 0,
-            "perf/gen_tokens_per_s": (self._gen_tokens - gen_tokens_before) / elapsed,
+            "perf/gen_tokens_per_s": (self._gen_tokens - mark_tokens) / max(now - mark_time, 1e-9),
+            "time/step_s": now - mark_time,
             "time/wait_for_groups_s": wait_s,
             "time/train_s": train_s,
-            "time/sync_s": sync_s,
+            **sync,
             **{f"train/{k}": v for k, v in result.metrics.items()},
             **{f"count/{k}": v for k, v in self._counters.items()},
         }
         self.metrics.write(record)
         return reward_mean
 
-    async def _sync(self, weights_dir: str, version: int) -> float:
+    async def _sync(self, weights_dir: str, version: int) -> dict[str, float]:
+        """Pause (abort | keep | drain) -> load on every replica and verify -> resume.
+
+        A replica that fails to load leaves the rotation (the gateway's doing); if none loads,
+        the gateway resumes at the version the replicas still hold and the run stops, saying
+        which version is being served, rather than train on while serving stale weights.
+        """
         started = time.monotonic()
-        await self.gateway.pause()
+        pause = await self.gateway.pause(self.sync.mode, self.sync.pause_timeout_s)
         try:
-            await self.gateway.load_weights(weights_dir, version)
+            load = await self.gateway.load_weights(weights_dir, version)
+        except GatewayClientError as exc:
+            await self.gateway.resume(self.version)
+            raise SyncFailed(
+                f"weight sync to version {version} failed; replicas still serve version "
+                f"{self.version}: {exc.message}"
+            ) from exc
         except BaseException:
-            # Nothing loaded: keep serving the weights the replicas still hold.
             await self.gateway.resume(self.version)
             raise
+        if load.failed:
+            self._counters["replicas_dropped"] += len(load.failed)
+            log.warning(
+                "replicas out of rotation after failing to load %d: %s", version, load.failed
+            )
         await self.gateway.resume(version)
         async with self._version_changed:
             self.version = version
             self._version_changed.notify_all()
-        return time.monotonic() - started
+        self._counters["interrupted_segments"] += pause.interrupted
+        self._counters["interrupted_tokens_kept"] += pause.tokens_kept
+        return {
+            "time/sync_s": time.monotonic() - started,
+            "sync/pause_latency_s": pause.latency_s,
+            "sync/load_s": load.load_s,
+            "sync/interrupted": float(pause.interrupted),
+            "sync/tokens_kept": float(pause.tokens_kept),
+        }
 
 
 def _task_cycle(tasks: Sequence[Task]):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ durably -> answer.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -21,7 +22,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from lockgate.gateway.config import GatewayConfig
@@ -31,14 +32,14 @@ from lockgate.gateway.errors import (
     conflict,
     not_found,
     unauthorized,
-    unavailable,
 )
+from lockgate.gateway.generation import CallGenerator
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
-from lockgate.gateway.rendering import ChatRenderer, PreviousTurn
-from lockgate.gateway.replica_client import GenerateResult, ReplicaClient, ReplicaUnavailable
+from lockgate.gateway.rendering import ChatRenderer, PreviousTurn, RenderedPrompt
 from lockgate.gateway.samples import merge_calls
 from lockgate.gateway.schema import (
+    AddReplica,
     CallRecord,
     ChatChoice,
     ChatCompletionRequest,
@@ -55,9 +56,10 @@ from lockgate.gateway.schema import (
     SetReward,
     TokenLogprob,
     Usage,
-    VersionSpan,
 )
 from lockgate.gateway.store import SessionRow, TrajectoryStore
+from lockgate.gateway.streaming import DeltaTracker
+from lockgate.gateway.sync import SyncController
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -72,10 +74,14 @@ def _json(payload: Any, status_code: int = 200) -> Response:
 
 
 @dataclass
-class _Generated:
-    result: GenerateResult
-    replica: ReplicaClient
-    version: int
+class _PreparedCall:
+    session: SessionRow
+    raw: dict[str, Any]
+    req: ChatCompletionRequest
+    prompt: RenderedPrompt
+    index: int
+    sampling: dict[str, Any]
+    generator: CallGenerator
     started_at: float
 
 
@@ -88,8 +94,9 @@ class Gateway:
         self.renderer = ChatRenderer(config.model_dir, config.renderer)
         self._own_http = http is None
         self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1024))
-        self.pool = ReplicaPool(config.replicas, self.http)
+        self.pool = ReplicaPool(config.replicas, self.http, version=config.initial_version)
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
+        self.sync = SyncController(self.gate, self.pool)
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
         self._next_index: dict[str, int] = {}
@@ -97,6 +104,13 @@ class Gateway:
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
             self._remember(row)
+        # Label the replicas' engines with the version served, so the per-token version spans
+        # vLLM returns agree with the gateway's from the first call (best effort: a replica that
+        # is down now is labelled when its first weight load succeeds).
+        await asyncio.gather(
+            *(c.set_version_label(self.gate.version) for c in self.pool.clients),
+            return_exceptions=True,
+        )
         self.pool.start()
 
     async def close(self) -> None:
@@ -165,7 +179,24 @@ class Gateway:
 
     # -- chat completions -----------------------------------------------------------------------
 
-    async def chat(self, session: SessionRow, body: bytes) -> ChatCompletionResponse:
+    async def chat(self, session: SessionRow, body: bytes) -> Response:
+        call = await self._prepare(session, body)
+        if call.req.stream:
+            return await self._stream(call)
+        try:
+            async with contextlib.aclosing(call.generator.run()) as chunks:
+                async for _ in chunks:
+                    pass
+        except GatewayError:
+            await self._record_unfinished(call)
+            raise
+        parsed = self.renderer.parse_completion(
+            call.generator.sampled.token_ids, call.prompt.prompt_ids, call.req.tools
+        )
+        await self._record(call)
+        return _json(self._response(call, parsed.message, parsed.has_tool_calls))
+
+    async def _prepare(self, session: SessionRow, body: bytes) -> _PreparedCall:
         if session.status != "open":
             raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
         raw = _parse_json(body)
@@ -176,67 +207,187 @@ class Gateway:
         prompt = self.renderer.render_prompt(
             req.messages, req.tools, _previous_turn(previous) if previous else None
         )
-        prompt_ids = prompt.prompt_ids
-        room = self.config.max_model_len - len(prompt_ids)
+        room = self.config.max_model_len - len(prompt.prompt_ids)
         if room < 1:
             raise bad_request(
-                f"the prompt is {len(prompt_ids)} tokens; this model's context is "
+                f"the prompt is {len(prompt.prompt_ids)} tokens; this model's context is "
                 f"{self.config.max_model_len} tokens",
                 param="messages",
                 code="context_length_exceeded",
             )
         sampling = self._sampling(req, room)
-        generated = await self._generate(session.id, prompt_ids, sampling)
-        result = generated.result
-
-        parsed = self.renderer.parse_completion(result.token_ids, prompt_ids, req.tools)
-        finish = result.finish_reason
-        if finish == "stop" and parsed.has_tool_calls:
-            finish = "tool_calls"
-        if finish not in ("stop", "length", "tool_calls"):
-            raise GatewayError(
-                502, f"replica ended the call with '{finish}'", type="upstream_error"
-            )
-
         index = self._next_index.get(session.id)
         if index is None:
             index = previous.index + 1 if previous else 0
+        # Reserved now, so that two concurrent calls of one session never share an index.
         self._next_index[session.id] = index + 1
-        n = len(result.token_ids)
-        record = CallRecord(
+        generator = CallGenerator(
+            self.gate,
+            self.pool,
             session_id=session.id,
-            index=index,
-            request=raw,
+            prompt_ids=prompt.prompt_ids,
             sampling=sampling,
-            prompt_ids=prompt_ids,
-            completion_ids=result.token_ids,
-            logprobs=result.logprobs,
-            versions=[VersionSpan(version=generated.version, start=0, end=n)] if n else [],
-            finish_reason=result.finish_reason,
-            replica=generated.replica.url,
-            started_at=generated.started_at,
-            ended_at=time.time(),
-            interruptions=0,
-            extends_previous=prompt.extends_previous,
+            partial_rollout=self.config.partial_rollout,
         )
-        await self.store.add_call(record)
+        return _PreparedCall(session, raw, req, prompt, index, sampling, generator, time.time())
 
-        logprobs = None
-        if req.logprobs:
-            logprobs = ChoiceLogprobs(
-                content=[
-                    TokenLogprob(token=self.renderer.decode_token(t), logprob=lp)
-                    for t, lp in zip(result.token_ids, result.logprobs, strict=True)
-                ]
-            )
-        return ChatCompletionResponse(
-            id=f"chatcmpl-{session.id[:8]}-{index}",
-            model=self.config.model_name,
-            choices=[ChatChoice(message=parsed.message, finish_reason=finish, logprobs=logprobs)],  # type: ignore[arg-type]
-            usage=Usage(
-                prompt_tokens=len(prompt_ids), completion_tokens=n, total_tokens=len(prompt_ids) + n
-            ),
+    def _record_of(self, call: _PreparedCall, finish_reason: str) -> CallRecord:
+        s = call.generator.sampled
+        return CallRecord(
+            session_id=call.session.id,
+            index=call.index,
+            request=call.raw,
+            sampling=call.sampling,
+            prompt_ids=call.prompt.prompt_ids,
+            completion_ids=s.token_ids,
+            logprobs=s.logprobs,
+            versions=s.spans(),
+            finish_reason=finish_reason,
+            replica=",".join(s.replicas),
+            started_at=call.started_at,
+            ended_at=time.time(),
+            interruptions=s.interruptions,
+            extends_previous=call.prompt.extends_previous,
         )
+
+    async def _record(self, call: _PreparedCall) -> None:
+        finish = call.generator.sampled.finish_reason
+        assert finish is not None
+        await self.store.add_call(self._record_of(call, finish))
+
+    async def _record_unfinished(self, call: _PreparedCall) -> None:
+        """A call that failed after generating something: its tokens are kept, marked
+        `interrupted` (never trained on: the agent did not receive them)."""
+        if call.generator.sampled.token_ids:
+            await self.store.add_call(self._record_of(call, "interrupted"))
+
+    def _finish_reason(self, call: _PreparedCall, has_tool_calls: bool) -> str:
+        finish = call.generator.sampled.finish_reason or "stop"
+        return "tool_calls" if finish == "stop" and has_tool_calls else finish
+
+    def _usage(self, call: _PreparedCall) -> Usage:
+        n_prompt, n = len(call.prompt.prompt_ids), len(call.generator.sampled.token_ids)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
+        return ChoiceLogprobs(
+            content=[
+                TokenLogprob(token=self.renderer.decode_token(t), logprob=lp)
+                for t, lp in zip(token_ids, logprobs, strict=True)
+            ]
+        )
+
+    def _response(
+        self, call: _PreparedCall, message: Any, has_tool_calls: bool
+    ) -> ChatCompletionResponse:
+        s = call.generator.sampled
+        return ChatCompletionResponse(
+            id=_completion_id(call),
+            model=self.config.model_name,
+            choices=[
+                ChatChoice(
+                    message=message,
+                    finish_reason=self._finish_reason(call, has_tool_calls),  # type: ignore[arg-type]
+                    logprobs=self._logprobs(s.token_ids, s.logprobs) if call.req.logprobs else None,
+                )
+            ],
+            usage=self._usage(call),
+        )
+
+    async def _stream(self, call: _PreparedCall) -> Response:
+        chunks = call.generator.run()
+        # Wait for the first tokens before answering: a call that cannot start (no replica, a
+        # pause that outlasts the limit) still gets a plain HTTP error, not a broken stream.
+        try:
+            first = await anext(chunks, None)
+        except GatewayError:
+            await chunks.aclose()
+            await self._record_unfinished(call)
+            raise
+        return StreamingResponse(
+            self._sse(call, chunks, first is not None), media_type="text/event-stream"
+        )
+
+    async def _sse(
+        self, call: _PreparedCall, chunks: AsyncIterator[int], primed: bool
+    ) -> AsyncIterator[bytes]:
+        cid, created, model = _completion_id(call), int(time.time()), self.config.model_name
+        tracker = DeltaTracker(self.renderer, call.prompt.prompt_ids, call.req.tools)
+        s = call.generator.sampled
+        sent_logprobs = 0
+
+        def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice.update(extra)
+            payload = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+            return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+        def deltas(content: str, reasoning: str) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            if reasoning:
+                out["reasoning_content"] = reasoning
+            if content:
+                out["content"] = content
+            return out
+
+        def logprobs_extra() -> dict[str, Any]:
+            nonlocal sent_logprobs
+            if not call.req.logprobs or sent_logprobs >= len(s.token_ids):
+                return {}
+            lp = self._logprobs(s.token_ids[sent_logprobs:], s.logprobs[sent_logprobs:])
+            sent_logprobs = len(s.token_ids)
+            return {"logprobs": lp.model_dump(mode="json")}
+
+        try:
+            yield event({"role": "assistant", "content": ""})
+            if primed:
+                pending = True
+                while pending:
+                    d = tracker.update(s.token_ids)
+                    extra = logprobs_extra()
+                    if d or extra:
+                        yield event(deltas(d.content, d.reasoning), **extra)
+                    pending = await anext(chunks, None) is not None
+            parsed = self.renderer.parse_completion(
+                s.token_ids, call.prompt.prompt_ids, call.req.tools
+            )
+            await self._record(call)
+        except GatewayError as exc:
+            await chunks.aclose()
+            await self._record_unfinished(call)
+            yield b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
+            return
+        finally:
+            await chunks.aclose()
+        d = tracker.finish(parsed.message)
+        tail = deltas(d.content, d.reasoning)
+        if parsed.message.tool_calls:
+            tail["tool_calls"] = [
+                {"index": i, **tc.model_dump(mode="json")}
+                for i, tc in enumerate(parsed.message.tool_calls)
+            ]
+        extra = logprobs_extra()
+        if tail or extra:
+            yield event(tail, **extra)
+        yield event({}, self._finish_reason(call, parsed.has_tool_calls))
+        options = call.req.stream_options
+        if options is not None and options.include_usage:
+            usage = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": self._usage(call).model_dump(),
+            }
+            yield b"data: " + orjson.dumps(usage) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     def _sampling(self, req: ChatCompletionRequest, room: int) -> dict[str, Any]:
         policy = self.config.sampling
@@ -256,34 +407,6 @@ class Gateway:
             sampling["seed"] = req.seed
         return sampling
 
-    async def _generate(
-        self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
-    ) -> _Generated:
-        tried: set[str] = set()
-        async with self.gate.admit() as version:
-            while True:
-                replica = self.pool.pick(session_id, exclude=frozenset(tried))
-                if replica is None:
-                    raise unavailable(
-                        "no healthy replica is available"
-                        + (f" (tried {', '.join(sorted(tried))})" if tried else "")
-                    )
-                started = time.time()
-                try:
-                    async with self.pool.lease(replica):
-                        result = await replica.generate(
-                            prompt_ids, sampling, request_id=f"lg-{uuid.uuid4().hex}"
-                        )
-                except ReplicaUnavailable as exc:
-                    log.warning(
-                        "generation failed on %s, trying another replica: %s", replica.url, exc
-                    )
-                    self.pool.mark_unhealthy(replica)
-                    tried.add(replica.url)
-                    continue
-                self.pool.record_success(replica)
-                return _Generated(result, replica, version, started)
-
     # -- weight sync ----------------------------------------------------------------------------
 
     def status(self) -> GatewayStatus:
@@ -292,33 +415,14 @@ class Gateway:
             version=self.gate.version,
             in_flight=self.gate.in_flight,
             waiting=self.gate.waiting,
+            interruptions=self.gate.interruptions,
+            tokens_kept=self.gate.tokens_kept,
             replicas=self.pool.status(),
         )
 
-    async def load_weights(self, body: LoadWeights) -> dict[str, Any]:
-        """Load a snapshot on every healthy replica; one that fails leaves the rotation."""
-        if self.gate.state != "paused":
-            raise conflict("pause the gateway before loading weights")
-        loaded: list[str] = []
-        failed: dict[str, str] = {}
-        for client in self.pool.healthy_clients():
-            try:
-                await client.load_weights(body.path, body.version)
-            except ReplicaUnavailable as exc:
-                self.pool.mark_unhealthy(client)
-                failed[client.url] = str(exc)
-                continue
-            self.pool.set_version(client, body.version)
-            loaded.append(client.url)
-        if not loaded:
-            raise GatewayError(
-                502,
-                f"no replica loaded version {body.version}; still paused at version "
-                f"{self.gate.version}: {failed}",
-                type="upstream_error",
-                code="load_failed",
-            )
-        return {"version": body.version, "loaded": loaded, "failed": failed}
+
+def _completion_id(call: _PreparedCall) -> str:
+    return f"chatcmpl-{call.session.id[:8]}-{call.index}"
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -356,8 +460,6 @@ def _validate(model: type[M], raw: dict[str, Any]) -> M:
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     if req.n != 1:
         raise bad_request("n > 1 is not supported: start one session per rollout", param="n")
-    if req.stream:
-        raise bad_request("stream=true is not supported yet", param="stream")
     if req.stop is not None:
         raise bad_request("'stop' sequences are not supported yet", param="stop")
     if req.top_logprobs:
@@ -413,12 +515,28 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_by_path(session_id: str, request: Request) -> Response:
         session = gateway.session_by_path(session_id, request.headers.get("authorization"))
-        return _json(await gateway.chat(session, await request.body()))
+        return await gateway.chat(session, await request.body())
 
     @app.post("/v1/chat/completions")
     async def chat_by_key(request: Request) -> Response:
         session = gateway.session_by_key(request.headers.get("authorization"))
-        return _json(await gateway.chat(session, await request.body()))
+        return await gateway.chat(session, await request.body())
+
+    async def agent_reward(session: SessionRow, request: Request) -> Response:
+        # An agent in another process (any language) reports its own reward here.
+        body = _validate(SetReward, _parse_json(await request.body()))
+        await gateway.store.set_reward(session.id, body.reward)
+        return _json({"session_id": session.id, "reward": body.reward})
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward_by_path(session_id: str, request: Request) -> Response:
+        session = gateway.session_by_path(session_id, request.headers.get("authorization"))
+        return await agent_reward(session, request)
+
+    @app.post("/v1/reward")
+    async def reward_by_key(request: Request) -> Response:
+        session = gateway.session_by_key(request.headers.get("authorization"))
+        return await agent_reward(session, request)
 
     def models_payload() -> dict[str, Any]:
         return {
@@ -491,20 +609,34 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     async def pause(request: Request) -> Response:
         require_admin(request)
         body = _validate(PauseRequest, _parse_json(await request.body() or b"{}"))
-        await gateway.gate.pause(body.timeout_s)
-        return _json(gateway.status())
+        report = await gateway.sync.pause(body.mode, body.timeout_s)
+        return _json({**gateway.status().model_dump(mode="json"), "pause": report.model_dump()})
 
     @app.post("/admin/weights")
     async def load_weights(request: Request) -> Response:
         require_admin(request)
         body = _validate(LoadWeights, _parse_json(await request.body()))
-        return _json(await gateway.load_weights(body))
+        return _json(await gateway.sync.load(body.source, body.version))
 
     @app.post("/admin/resume")
     async def resume(request: Request) -> Response:
         require_admin(request)
         body = _validate(ResumeRequest, _parse_json(await request.body()))
-        await gateway.gate.resume(body.version)
+        await gateway.sync.resume(body.version)
+        return _json(gateway.status())
+
+    @app.post("/admin/replicas")
+    async def add_replica(request: Request) -> Response:
+        require_admin(request)
+        body = _validate(AddReplica, _parse_json(await request.body()))
+        gateway.pool.add(body.url, gateway.gate.version if body.version is None else body.version)
+        return _json(gateway.status(), 201)
+
+    @app.delete("/admin/replicas")
+    async def remove_replica(request: Request, url: str) -> Response:
+        require_admin(request)
+        if not gateway.pool.remove(url):
+            raise not_found(f"no replica '{url}'")
         return _json(gateway.status())
 
     return app

@@ -15,6 +15,9 @@ from lockgate.gateway.schema import (
     CallRecord,
     CreatedSession,
     GatewayStatus,
+    LoadReport,
+    PauseMode,
+    PauseReport,
     SessionInfo,
     SessionSamples,
 )
@@ -123,14 +126,14 @@ class GatewayClient:
     async def status(self) -> GatewayStatus:
         return GatewayStatus.model_validate(await self._request("GET", "/admin/status", retries=2))
 
-    async def pause(self, timeout_s: float = 600.0) -> GatewayStatus:
-        data = await self._request(
-            "POST", "/admin/pause", {"mode": "drain", "timeout_s": timeout_s}
-        )
-        return GatewayStatus.model_validate(data)
+    async def pause(self, mode: PauseMode = "abort", timeout_s: float = 600.0) -> PauseReport:
+        data = await self._request("POST", "/admin/pause", {"mode": mode, "timeout_s": timeout_s})
+        return PauseReport.model_validate(data["pause"])
 
-    async def load_weights(self, path: str, version: int) -> dict[str, Any]:
-        return await self._request("POST", "/admin/weights", {"path": path, "version": version})
+    async def load_weights(self, path: str, version: int) -> LoadReport:
+        """Disk transport: every replica reloads the snapshot at `path`, then is verified."""
+        data = await self._request("POST", "/admin/weights", {"path": path, "version": version})
+        return LoadReport.model_validate(data)
 
     async def resume(self, version: int) -> GatewayStatus:
         data = await self._request("POST", "/admin/resume", {"version": version})

@@ -35,5 +35,15 @@ class GatewayConfig(BaseModel):
     admin_token: str = Field(min_length=8, description="Bearer token for /admin endpoints.")
     max_model_len: int = Field(default=2048, ge=16, description="Replicas' context length.")
     sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
-    max_pause_wait_s: float = Field(default=1800.0, gt=0)
+    max_pause_wait_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="A call waiting for a weight sync to end fails with a 503 after this long.",
+    )
+    partial_rollout: bool = Field(
+        default=True,
+        description="Calls cut by an `abort` sync continue under the new weights (tokens kept, "
+        "versions recorded per token). Off: they fail with a 503 `interrupted` instead, so "
+        "no sample ever mixes versions.",
+    )
     initial_version: int = Field(default=0, ge=0)

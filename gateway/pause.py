@@ -1,77 +1,104 @@
-"""The gateway's serving state: new calls wait while a weight sync holds the gate.
+"""The gateway's serving state and the upstream requests (segments) in flight.
 
-SERVING -> PAUSING (no new dispatches; in-flight calls drain) -> PAUSED -> SERVING on resume.
-Calls that arrive while paused wait inside the gateway, so neither vLLM's queueing (0.32) nor
-its 503s (0.33) ever reach the agent.
+SERVING -> PAUSING -> PAUSED -> RESUMING -> SERVING. A segment may start only while SERVING;
+a call that wants to start one otherwise waits here, inside the gateway, so neither vLLM's
+queueing (0.32) nor its 503s (0.33) ever reach an agent. A wait longer than `max_wait_s` fails
+the call with a 503. The sync controller (sync.py) drives the transitions; this class only
+holds the state and lets callers wait on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 from lockgate.gateway.errors import GatewayError
 
-State = Literal["serving", "pausing", "paused"]
+State = Literal["serving", "pausing", "paused", "resuming"]
+
+
+@dataclass(eq=False)
+class Segment:
+    """One upstream generation request of a call."""
+
+    request_id: str
+    version: int
+    replica: str | None = None
+    task: asyncio.Task[None] | None = None
+    offset: int = 0  # tokens the call already held when this segment started
+    tokens: int = 0  # tokens this segment has produced
+    cut: bool = False  # cancelled by the sync controller
+
+
+class PausedTooLong(GatewayError):
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(
+            503,
+            f"the gateway stayed paused for a weight sync longer than {waited_s:.0f}s",
+            type="service_unavailable",
+            code="paused",
+        )
 
 
 class PauseGate:
     def __init__(self, version: int = 0, max_wait_s: float = 1800.0) -> None:
         self.state: State = "serving"
         self.version = version
-        self.in_flight = 0
         self.waiting = 0
+        self.segments: dict[str, Segment] = {}
+        self.interruptions = 0  # segments cut by syncs, since start
+        self.tokens_kept = 0  # tokens those segments had produced (all kept)
         self._max_wait_s = max_wait_s
         self._cond = asyncio.Condition()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
-    @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[int]:
-        """Hold a dispatch slot; yields the weight version the call is dispatched under."""
+    @property
+    def in_flight(self) -> int:
+        return len(self.segments)
+
+    async def admit(self) -> tuple[Segment, int]:
+        """Wait until serving, then register a segment; returns it with the serving version."""
         async with self._cond:
             if self.state != "serving":
                 self.waiting += 1
+                started = time.monotonic()
                 try:
                     await asyncio.wait_for(
                         self._cond.wait_for(lambda: self.state == "serving"), self._max_wait_s
                     )
                 except TimeoutError as exc:
-                    raise GatewayError(
-                        503,
-                        f"the gateway stayed paused for a weight sync longer than {self._max_wait_s:.0f}s",
-                        type="service_unavailable",
-                        code="paused",
-                    ) from exc
+                    raise PausedTooLong(time.monotonic() - started) from exc
                 finally:
                     self.waiting -= 1
-            self.in_flight += 1
-            version = self.version
-        try:
-            yield version
-        finally:
-            async with self._cond:
-                self.in_flight -= 1
-                self._cond.notify_all()
+            segment = Segment(request_id=f"lg-{uuid.uuid4().hex}", version=self.version)
+            self.segments[segment.request_id] = segment
+            self._idle.clear()
+            return segment, self.version
 
-    async def pause(self, timeout_s: float) -> None:
-        """Stop admitting calls and wait until the in-flight ones have finished."""
-        async with self._cond:
-            if self.state == "serving":
-                self.state = "pausing"
-            try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: self.in_flight == 0), timeout_s)
-            except TimeoutError as exc:
-                raise GatewayError(
-                    504,
-                    f"{self.in_flight} calls still in flight after {timeout_s:.0f}s of draining",
-                    type="timeout",
-                    code="drain_timeout",
-                ) from exc
-            self.state = "paused"
+    def end(self, segment: Segment) -> None:
+        self.segments.pop(segment.request_id, None)
+        if not self.segments:
+            self._idle.set()
 
-    async def resume(self, version: int) -> None:
+    def count_interruption(self, tokens: int) -> None:
+        self.interruptions += 1
+        self.tokens_kept += tokens
+
+    async def set_state(self, state: State, version: int | None = None) -> None:
         async with self._cond:
-            self.version = version
-            self.state = "serving"
+            self.state = state
+            if version is not None:
+                self.version = version
             self._cond.notify_all()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no segment is in flight; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

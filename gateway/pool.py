@@ -24,6 +24,7 @@ class _Replica:
     in_flight: int = 0
     failures: int = 0  # consecutive
     version: int = 0
+    stale: bool = False  # a weight load failed on it: it holds no version we may serve
     sessions: set[str] = field(default_factory=set)
 
 
@@ -33,12 +34,14 @@ class ReplicaPool:
         urls: list[str],
         http: httpx.AsyncClient,
         *,
+        version: int = 0,
         max_failures: int = 2,
         max_imbalance: int = 4,
         health_interval_s: float = 2.0,
     ) -> None:
         self._http = http
         self._replicas: dict[str, _Replica] = {}
+        self._initial_version = version
         for url in urls:
             self.add(url)
         self._sticky: dict[str, str] = {}
@@ -47,9 +50,21 @@ class ReplicaPool:
         self._health_interval_s = health_interval_s
         self._health_task: asyncio.Task[None] | None = None
 
-    def add(self, url: str) -> None:
+    def add(self, url: str, version: int | None = None) -> ReplicaClient:
         client = ReplicaClient(url, self._http)
-        self._replicas.setdefault(client.url, _Replica(client))
+        replica = self._replicas.setdefault(
+            client.url,
+            _Replica(client, version=self._initial_version if version is None else version),
+        )
+        return replica.client
+
+    def remove(self, url: str) -> bool:
+        """Take a replica out for good; calls in flight on it fail over when it goes away."""
+        gone = self._replicas.pop(url.rstrip("/"), None)
+        for session, sticky in list(self._sticky.items()):
+            if sticky == url.rstrip("/"):
+                del self._sticky[session]
+        return gone is not None
 
     @property
     def clients(self) -> list[ReplicaClient]:
@@ -57,6 +72,17 @@ class ReplicaPool:
 
     def healthy_clients(self) -> list[ReplicaClient]:
         return [r.client for r in self._replicas.values() if r.healthy]
+
+    def reachable_clients(self) -> list[ReplicaClient]:
+        """Replicas worth sending a weight load: healthy, or only out for holding old weights."""
+        return [r.client for r in self._replicas.values() if r.healthy or r.stale]
+
+    def serving_clients(self, version: int) -> list[ReplicaClient]:
+        return [
+            r.client
+            for r in self._replicas.values()
+            if r.healthy and not r.stale and r.version == version
+        ]
 
     def status(self) -> list[ReplicaStatus]:
         return [
@@ -66,12 +92,19 @@ class ReplicaPool:
                 in_flight=r.in_flight,
                 failures=r.failures,
                 version=r.version,
+                stale=r.stale,
             )
             for url, r in self._replicas.items()
         ]
 
-    def pick(self, session_id: str, exclude: frozenset[str] = frozenset()) -> ReplicaClient | None:
-        loads = [ReplicaLoad(url, r.healthy, r.in_flight) for url, r in self._replicas.items()]
+    def pick(
+        self, session_id: str, version: int, exclude: frozenset[str] = frozenset()
+    ) -> ReplicaClient | None:
+        """A replica serving `version` for this session (sticky, least-loaded fallback)."""
+        loads = [
+            ReplicaLoad(url, r.healthy and not r.stale and r.version == version, r.in_flight)
+            for url, r in self._replicas.items()
+        ]
         url = choose_replica(
             loads, self._sticky.get(session_id), max_imbalance=self._max_imbalance, exclude=exclude
         )
@@ -85,18 +118,24 @@ class ReplicaPool:
 
     @contextlib.asynccontextmanager
     async def lease(self, client: ReplicaClient) -> AsyncIterator[None]:
-        replica = self._replicas[client.url]
-        replica.in_flight += 1
+        replica = self._replicas.get(client.url)
+        if replica is not None:
+            replica.in_flight += 1
         try:
             yield
         finally:
-            replica.in_flight -= 1
+            if replica is not None:
+                replica.in_flight -= 1
 
     def record_success(self, client: ReplicaClient) -> None:
-        self._replicas[client.url].failures = 0
+        replica = self._replicas.get(client.url)
+        if replica is not None:
+            replica.failures = 0
 
     def record_failure(self, client: ReplicaClient) -> None:
-        replica = self._replicas[client.url]
+        replica = self._replicas.get(client.url)
+        if replica is None:
+            return
         replica.failures += 1
         if replica.failures >= self._max_failures and replica.healthy:
             log.warning(
@@ -105,10 +144,19 @@ class ReplicaPool:
             replica.healthy = False
 
     def mark_unhealthy(self, client: ReplicaClient) -> None:
-        self._replicas[client.url].healthy = False
+        replica = self._replicas.get(client.url)
+        if replica is not None:
+            replica.healthy = False
+
+    def mark_stale(self, client: ReplicaClient) -> None:
+        replica = self._replicas.get(client.url)
+        if replica is not None:
+            replica.stale = True
 
     def set_version(self, client: ReplicaClient, version: int) -> None:
-        self._replicas[client.url].version = version
+        replica = self._replicas[client.url]
+        replica.version = version
+        replica.stale = False
 
     # -- background health checks ---------------------------------------------------------------
 

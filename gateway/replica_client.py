@@ -7,10 +7,12 @@ so the gateway owns rendering and the replica never re-tokenizes. Admin endpoint
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 
 from lockgate.gateway.errors import GatewayError
 
@@ -24,11 +26,54 @@ class ReplicaUnavailable(Exception):
 
 
 @dataclass(frozen=True)
-class GenerateResult:
+class ReplicaChunk:
+    """One streamed piece of a generation: new tokens, and the finish on the last one."""
+
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    replica_version: str | None
+    finish_reason: str | None = None
+    # vLLM's [{"version", "start", "end"}] over the request's output tokens (final chunk only)
+    weight_versions: list[dict[str, Any]] | None = None
+
+
+def _replica_error(status: int, text: str) -> GatewayError:
+    return GatewayError(
+        502,
+        f"replica rejected the request: HTTP {status}: {text[:300]}",
+        type="upstream_error",
+        code="replica_error",
+    )
+
+
+def parse_chunk(payload: dict[str, Any]) -> ReplicaChunk | None:
+    """A `/inference/v1/generate` SSE payload as a chunk; None for a choice-less usage chunk."""
+    if "error" in payload:
+        raise GatewayError(
+            502,
+            f"replica failed the request: {payload['error']}",
+            type="upstream_error",
+            code="replica_error",
+        )
+    choices = payload.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    token_ids: list[int] = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(entry["logprob"]) for entry in content]
+    if len(logprobs) != len(token_ids):
+        raise GatewayError(
+            502,
+            f"replica returned {len(token_ids)} tokens but {len(logprobs)} logprobs",
+            type="upstream_error",
+            code="replica_error",
+        )
+    return ReplicaChunk(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=choice.get("finish_reason"),
+        weight_versions=choice.get("weight_versions"),
+    )
 
 
 class ReplicaClient:
@@ -36,47 +81,44 @@ class ReplicaClient:
         self.url = url.rstrip("/")
         self._http = http
 
-    async def generate(
+    async def generate_stream(
         self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str
-    ) -> GenerateResult:
+    ) -> AsyncIterator[ReplicaChunk]:
+        """Stream one generation. Always streamed, so that the tokens received before a replica
+        dies are kept; closing the iterator early aborts the request in vLLM."""
         body = {
             "token_ids": prompt_ids,
             "sampling_params": {**sampling, "logprobs": 0},
             "request_id": request_id,
+            "stream": True,
         }
+        finished = False
         try:
-            resp = await self._http.post(
-                f"{self.url}/inference/v1/generate", json=body, timeout=_GENERATE_TIMEOUT
-            )
+            async with self._http.stream(
+                "POST", f"{self.url}/inference/v1/generate", json=body, timeout=_GENERATE_TIMEOUT
+            ) as resp:
+                if resp.status_code >= 500:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status_code}: {text[:300]}")
+                if resp.status_code != 200:
+                    raise _replica_error(
+                        resp.status_code, (await resp.aread()).decode(errors="replace")
+                    )
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = parse_chunk(orjson.loads(data))
+                    if chunk is None:
+                        continue
+                    finished = chunk.finish_reason is not None
+                    yield chunk
         except httpx.TransportError as exc:
             raise ReplicaUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 500:
-            raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status_code}: {resp.text[:300]}")
-        if resp.status_code != 200:
-            raise GatewayError(
-                502,
-                f"replica rejected the request: HTTP {resp.status_code}: {resp.text[:300]}",
-                type="upstream_error",
-                code="replica_error",
-            )
-        choice = resp.json()["choices"][0]
-        token_ids: list[int] = choice.get("token_ids") or []
-        content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(entry["logprob"]) for entry in content]
-        if len(logprobs) != len(token_ids):
-            raise GatewayError(
-                502,
-                f"replica returned {len(token_ids)} tokens but {len(logprobs)} logprobs",
-                type="upstream_error",
-                code="replica_error",
-            )
-        spans = choice.get("weight_versions") or []
-        return GenerateResult(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=choice.get("finish_reason") or "stop",
-            replica_version=spans[-1]["version"] if spans else None,
-        )
+        if not finished:
+            raise ReplicaUnavailable(f"{self.url}: the stream ended without a finish reason")
 
     async def healthy(self) -> bool:
         try:
@@ -85,9 +127,18 @@ class ReplicaClient:
             return False
         return resp.status_code == 200
 
-    async def _admin(self, path: str, payload: dict[str, Any] | None = None) -> Any:
+    async def call_admin(
+        self,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        method: str = "POST",
+        params: dict[str, str] | None = None,
+    ) -> Any:
         try:
-            resp = await self._http.post(f"{self.url}{path}", json=payload, timeout=_ADMIN_TIMEOUT)
+            resp = await self._http.request(
+                method, f"{self.url}{path}", json=payload, params=params, timeout=_ADMIN_TIMEOUT
+            )
         except httpx.TransportError as exc:
             raise ReplicaUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code != 200:
@@ -96,11 +147,22 @@ class ReplicaClient:
             )
         return resp.json() if resp.content else None
 
-    async def load_weights(self, weights_dir: str, version: int) -> None:
-        """Reload weights in place, drop KV computed under the old ones, relabel the engine."""
-        await self._admin(
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
-        )
-        await self._admin("/reset_prefix_cache")
-        await self._admin("/update_weight_version", {"new_version": str(version)})
+    async def reset_prefix_cache(self) -> None:
+        await self.call_admin("/reset_prefix_cache")
+
+    async def set_version_label(self, version: int) -> None:
+        await self.call_admin("/update_weight_version", {"new_version": str(version)})
+
+    async def version_label(self) -> str | None:
+        """The engine's weight version label (what `/weight_info` reports)."""
+        info = await self.call_admin("/weight_info", method="GET")
+        value = info.get("weight_version") if isinstance(info, dict) else None
+        return None if value is None else str(value)
+
+    async def pause(self, mode: str) -> None:
+        """vLLM's own pause: `abort` ends running requests (partial tokens returned), `keep`
+        freezes them until resume; either way the engine schedules nothing new."""
+        await self.call_admin("/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self.call_admin("/resume")

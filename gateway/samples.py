@@ -18,6 +18,9 @@ def merge_calls(calls: Sequence[CallRecord]) -> tuple[list[TrainingSample], int]
     samples: list[TrainingSample] = []
     splits = 0
     for call in calls:
+        if call.finish_reason == "interrupted":
+            # Never answered to the agent, so no later call builds on it; nothing to train on.
+            continue
         current = samples[-1] if samples else None
         if current is not None and _extends(call.prompt_ids, current.input_ids):
             new_prompt = call.prompt_ids[len(current.input_ids) :]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lockgate.gateway.weights import WeightSource
 
 # ---------------------------------------------------------------------------------------------
 # Agent-facing: chat completions
@@ -242,21 +244,61 @@ class SetReward(BaseModel):
     reward: float
 
 
+PauseMode = Literal["abort", "keep", "drain"]
+
+
 class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["drain"] = "drain"
+    mode: PauseMode = "abort"
     timeout_s: float = Field(default=600.0, gt=0)
 
 
+class PauseReport(BaseModel):
+    mode: PauseMode
+    latency_s: float  # pause request to every replica quiescent
+    interrupted: int  # segments cut by this pause (abort), their calls resume after the sync
+    tokens_kept: int  # tokens those segments had generated, all kept
+    frozen: int  # requests frozen inside vLLM (keep)
+    version: int
+
+
 class LoadWeights(BaseModel):
+    """`{"version": 3, "path": DIR}` (disk, the default) or `{"version", "transport": "nccl",
+    "update_info"}`."""
+
     model_config = ConfigDict(extra="forbid")
-    path: str
     version: int = Field(ge=0)
+    source: WeightSource
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_disk_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "source" not in data:
+            rest = {k: v for k, v in data.items() if k != "version"}
+            if "transport" not in rest:
+                rest["transport"] = "disk"
+            return {"version": data.get("version"), "source": rest}
+        return data
+
+
+class LoadReport(BaseModel):
+    version: int
+    loaded: list[str]
+    failed: dict[str, str]  # replica -> why; these are out of the rotation
+    load_s: float
 
 
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)
+
+
+class AddReplica(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1)
+    version: int | None = Field(
+        default=None, description="The weights it holds; unset: the version being served."
+    )
 
 
 class ReplicaStatus(BaseModel):
@@ -265,11 +307,14 @@ class ReplicaStatus(BaseModel):
     in_flight: int
     failures: int
     version: int
+    stale: bool = False
 
 
 class GatewayStatus(BaseModel):
-    state: Literal["serving", "pausing", "paused"]
+    state: Literal["serving", "pausing", "paused", "resuming"]
     version: int
-    in_flight: int
-    waiting: int
+    in_flight: int  # upstream generation requests
+    waiting: int  # calls waiting for the gateway to serve again
+    interruptions: int  # segments cut by weight syncs since start
+    tokens_kept: int
     replicas: list[ReplicaStatus]

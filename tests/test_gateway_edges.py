@@ -20,6 +20,32 @@ ADMIN = "admin-token-for-tests"
 REPLICA = "http://fake-replica:8000"
 
 
+def sse_chunks(ids: list[int], logprobs: list[float], finish: str, per_chunk: int = 2) -> bytes:
+    """What vLLM's streamed /inference/v1/generate sends: token deltas, then the finish."""
+    out = []
+    for i in range(0, len(ids), per_chunk):
+        last = i + per_chunk >= len(ids)
+        choice = {
+            "index": 0,
+            "token_ids": ids[i : i + per_chunk],
+            "logprobs": {
+                "content": [
+                    {"token_id": t, "logprob": lp}
+                    for t, lp in zip(
+                        ids[i : i + per_chunk], logprobs[i : i + per_chunk], strict=True
+                    )
+                ]
+            },
+            "finish_reason": finish if last else None,
+        }
+        out.append(b"data: " + json.dumps({"request_id": "x", "choices": [choice]}).encode())
+    if not ids:
+        choice = {"index": 0, "token_ids": [], "finish_reason": finish}
+        out.append(b"data: " + json.dumps({"request_id": "x", "choices": [choice]}).encode())
+    out.append(b"data: [DONE]")
+    return b"\n\n".join(out) + b"\n\n"
+
+
 @dataclass
 class FakeReplica:
     """Speaks the replica endpoints the gateway uses; answers fixed tokens."""
@@ -27,6 +53,8 @@ class FakeReplica:
     completion: list[int]
     down: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
+    label: str | None = None
+    admin: list[str] = field(default_factory=list)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         if self.down:
@@ -34,31 +62,21 @@ class FakeReplica:
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/inference/v1/generate":
-            import json
-
             body = json.loads(request.content)
             self.requests.append(body)
             n = min(len(self.completion), body["sampling_params"]["max_tokens"])
             ids = self.completion[:n]
+            finish = "stop" if n == len(self.completion) else "length"
             return httpx.Response(
                 200,
-                json={
-                    "request_id": body["request_id"],
-                    "choices": [
-                        {
-                            "index": 0,
-                            "finish_reason": "stop" if n == len(self.completion) else "length",
-                            "token_ids": ids,
-                            "logprobs": {
-                                "content": [
-                                    {"token_id": t, "logprob": -0.25 * (i + 1)}
-                                    for i, t in enumerate(ids)
-                                ]
-                            },
-                        }
-                    ],
-                },
+                headers={"content-type": "text/event-stream"},
+                content=sse_chunks(ids, [-0.25 * (i + 1) for i in range(n)], finish),
             )
+        self.admin.append(request.url.path)
+        if request.url.path == "/update_weight_version":
+            self.label = json.loads(request.content)["new_version"]
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.label})
         return httpx.Response(200, json={})
 
 
@@ -345,7 +363,10 @@ async def test_a_new_user_turn_or_edited_history_is_re_rendered_and_counted(
     assert second_sample["input_ids"] == calls[2]["prompt_ids"] + calls[2]["completion_ids"]
 
 
-async def test_calls_wait_while_paused_and_proceed_after_resume(harness: Harness) -> None:
+async def test_calls_wait_while_paused_and_proceed_after_resume(
+    harness: Harness, tiny_model_dir: Path
+) -> None:
+    model_dir = tiny_model_dir
     s = await harness.session()
     r = await harness.client.post("/admin/pause", json={}, headers=_admin())
     assert r.json()["state"] == "paused"
@@ -355,6 +376,15 @@ async def test_calls_wait_while_paused_and_proceed_after_resume(harness: Harness
     await asyncio.sleep(0.3)
     assert not pending.done()
     assert (await harness.client.get("/admin/status", headers=_admin())).json()["waiting"] == 1
+    # A version no replica holds cannot be served.
+    r = await harness.client.post("/admin/resume", json={"version": 3}, headers=_admin())
+    _assert_openai_error(r, 409, "no healthy replica holds version 3")
+    r = await harness.client.post(
+        "/admin/weights", json={"version": 3, "path": str(model_dir)}, headers=_admin()
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["loaded"] == [REPLICA]
+    assert harness.replica.label == "3"
     r = await harness.client.post("/admin/resume", json={"version": 3}, headers=_admin())
     assert r.json()["state"] == "serving"
     resp = await pending

@@ -1,0 +1,238 @@
+"""One model call's generation, across weight syncs and replica failures.
+
+A call is generated in one or more *segments*. A segment is one streamed token-in/token-out
+request to one replica, and it ends in one of three ways:
+
+- a real finish (`stop` / `length`): the call is done;
+- an interruption for a weight sync (the replica aborted it, or the sync controller cancelled
+  it): every token received so far is kept, the call waits at the gate until the gateway
+  serves again, then continues from prompt + those tokens with the remaining budget, under
+  the new weights (or fails, when partial rollouts are off);
+- a replica failure (refused, reset, 5xx): the tokens received so far are kept and the call
+  continues on another replica at once.
+
+The agent sees one response. Every token is kept exactly once, with its logprob and the weight
+version that produced it. The caller consumes `run()`, which yields after every upstream chunk
+so a streaming answer can forward deltas as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lockgate.gateway.errors import GatewayError, unavailable
+from lockgate.gateway.pause import PauseGate, Segment
+from lockgate.gateway.pool import ReplicaPool
+from lockgate.gateway.replica_client import ReplicaChunk, ReplicaClient, ReplicaUnavailable
+from lockgate.gateway.schema import VersionSpan
+
+log = logging.getLogger(__name__)
+
+# A call interrupted more often than this is failing for a reason a retry will not fix.
+MAX_SEGMENTS = 64
+
+
+class CallInterrupted(GatewayError):
+    """The call was cut by a weight sync and partial rollouts are off: it is not resumed."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            503,
+            "the call was interrupted by a weight sync and partial rollouts are off",
+            type="service_unavailable",
+            code="interrupted",
+        )
+
+
+@dataclass
+class _SegmentEnd:
+    kind: Literal["done", "cancelled", "replica_failed", "error"]
+    error: BaseException | None = None
+
+
+@dataclass
+class Sampled:
+    """What a call has generated so far; complete once `finish_reason` is set."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    interruptions: int = 0
+    failovers: int = 0
+    replicas: list[str] = field(default_factory=list)
+
+    def spans(self) -> list[VersionSpan]:
+        out: list[VersionSpan] = []
+        for i, v in enumerate(self.token_versions):
+            if out and out[-1].version == v and out[-1].end == i:
+                out[-1].end = i + 1
+            else:
+                out.append(VersionSpan(version=v, start=i, end=i + 1))
+        return out
+
+
+def _labelled_versions(chunk: ReplicaChunk, n: int) -> list[int] | None:
+    """Per-token versions from the replica's own spans, if they label all n tokens."""
+    spans = chunk.weight_versions
+    if not spans:
+        return None
+    out: list[int] = []
+    for span in spans:
+        try:
+            version = int(span["version"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        out.extend([version] * (int(span["end"]) - int(span["start"])))
+    return out if len(out) == n else None
+
+
+class CallGenerator:
+    def __init__(
+        self,
+        gate: PauseGate,
+        pool: ReplicaPool,
+        *,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        partial_rollout: bool = True,
+    ) -> None:
+        self._gate = gate
+        self._pool = pool
+        self._session_id = session_id
+        self._prompt_ids = prompt_ids
+        self._sampling = sampling
+        self._budget = int(sampling["max_tokens"])
+        self._partial_rollout = partial_rollout
+        self.sampled = Sampled()
+
+    async def run(self) -> AsyncIterator[int]:
+        """Generate to a real finish; yields the number of tokens held after each chunk."""
+        s = self.sampled
+        failed_replicas: set[str] = set()
+        for _ in range(MAX_SEGMENTS):
+            remaining = self._budget - len(s.token_ids)
+            if remaining <= 0:
+                s.finish_reason = "length"
+                return
+            segment, version = await self._gate.admit()
+            try:
+                replica = self._pool.pick(
+                    self._session_id, version, exclude=frozenset(failed_replicas)
+                )
+                if replica is None:
+                    tried = f" (failed: {', '.join(sorted(failed_replicas))})"
+                    raise unavailable(
+                        "no healthy replica is available" + (tried if failed_replicas else "")
+                    )
+                segment.replica = replica.url
+                segment.offset = len(s.token_ids)
+                if not s.replicas or s.replicas[-1] != replica.url:
+                    s.replicas.append(replica.url)
+                end, finish, labelled = None, None, None
+                start = len(s.token_ids)
+                async with contextlib.aclosing(self._segment(segment, replica, remaining)) as items:
+                    async for item in items:
+                        if isinstance(item, _SegmentEnd):
+                            end = item
+                            continue
+                        if item.token_ids:
+                            s.token_ids.extend(item.token_ids)
+                            s.logprobs.extend(item.logprobs)
+                            s.token_versions.extend([version] * len(item.token_ids))
+                            segment.tokens += len(item.token_ids)
+                            yield len(s.token_ids)
+                        if item.finish_reason is not None:
+                            finish = item.finish_reason
+                            labelled = _labelled_versions(item, len(s.token_ids) - start)
+            finally:
+                self._gate.end(segment)
+            assert end is not None
+            if labelled is not None:
+                # The replica's own labels win: in `keep` mode a frozen request continues
+                # under the new weights within the same segment.
+                s.token_versions[start:] = labelled
+
+            if end.kind == "error":
+                assert end.error is not None
+                raise end.error
+            if end.kind == "replica_failed":
+                log.warning(
+                    "replica %s failed mid-call, continuing elsewhere: %s", replica.url, end.error
+                )
+                self._pool.mark_unhealthy(replica)
+                failed_replicas.add(replica.url)
+                s.failovers += 1
+                continue
+            failed_replicas.clear()
+            self._pool.record_success(replica)
+            if end.kind == "done" and finish in ("stop", "length"):
+                s.finish_reason = finish
+                return
+            if end.kind == "cancelled" or finish == "abort":
+                s.interruptions += 1
+                self._gate.count_interruption(len(s.token_ids) - start)
+                if not self._partial_rollout:
+                    raise CallInterrupted()
+                continue
+            raise GatewayError(
+                502,
+                f"replica ended the call with '{finish}'",
+                type="upstream_error",
+                code="replica_error",
+            )
+        raise GatewayError(
+            502,
+            f"the call was cut {MAX_SEGMENTS} times without finishing",
+            type="upstream_error",
+            code="too_many_interruptions",
+        )
+
+    async def _segment(
+        self, segment: Segment, replica: ReplicaClient, remaining: int
+    ) -> AsyncIterator[ReplicaChunk | _SegmentEnd]:
+        """Stream one segment through a queue fed by its own task.
+
+        The task is what the sync controller cancels to cut a segment the replica did not abort
+        in time; cancelling it closes the upstream stream, which aborts the request in vLLM.
+        """
+        queue: asyncio.Queue[ReplicaChunk | _SegmentEnd] = asyncio.Queue()
+        prompt = self._prompt_ids + self.sampled.token_ids
+        sampling = {**self._sampling, "max_tokens": remaining}
+
+        async def pump() -> None:
+            try:
+                async with self._pool.lease(replica):
+                    async for chunk in replica.generate_stream(
+                        prompt, sampling, request_id=segment.request_id
+                    ):
+                        queue.put_nowait(chunk)
+            except asyncio.CancelledError:
+                queue.put_nowait(_SegmentEnd("cancelled"))
+                raise
+            except ReplicaUnavailable as exc:
+                queue.put_nowait(_SegmentEnd("replica_failed", exc))
+            except Exception as exc:
+                queue.put_nowait(_SegmentEnd("error", exc))
+            else:
+                queue.put_nowait(_SegmentEnd("done"))
+
+        task = asyncio.create_task(pump(), name=f"segment-{segment.request_id}")
+        segment.task = task
+        try:
+            while True:
+                item = await queue.get()
+                yield item
+                if isinstance(item, _SegmentEnd):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,71 @@
+"""Streamed answers: content and reasoning deltas from a growing list of completion ids.
+
+The parser that gives the final message also gives the deltas: each update re-parses all ids
+received so far and forwards only what extends what was already sent. Text that the final parse
+could still change is held back: trailing whitespace (the parser strips it), an incomplete UTF-8
+character at the end, and anything from a tool-call opener on (tool calls go out whole, with the
+finish). So the concatenated deltas are the non-streamed content, token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lockgate.gateway.rendering import ChatRenderer
+from lockgate.gateway.schema import AssistantMessage, ToolSpec
+
+log = logging.getLogger(__name__)
+
+
+def _stable(text: str) -> str:
+    return text.strip().rstrip("\ufffd")
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning)
+
+
+class DeltaTracker:
+    def __init__(
+        self, renderer: ChatRenderer, prompt_ids: Sequence[int], tools: list[ToolSpec] | None
+    ) -> None:
+        self._renderer = renderer
+        self._prompt_ids = list(prompt_ids)
+        self._tools = tools
+        self._stop_at = renderer.tool_call_start_id
+        self.sent_content = ""
+        self.sent_reasoning = ""
+
+    def update(self, completion_ids: Sequence[int]) -> Delta:
+        ids = list(completion_ids)
+        if self._stop_at is not None and self._stop_at in ids:
+            ids = ids[: ids.index(self._stop_at)]
+        message = self._renderer.parse_completion(ids, self._prompt_ids, self._tools).message
+        return self._advance(
+            _stable(message.content or ""), _stable(message.reasoning_content or "")
+        )
+
+    def finish(self, message: AssistantMessage) -> Delta:
+        """The rest of the final message (whatever was held back)."""
+        return self._advance(message.content or "", message.reasoning_content or "")
+
+    def _advance(self, content: str, reasoning: str) -> Delta:
+        delta = Delta()
+        if content.startswith(self.sent_content):
+            delta.content = content[len(self.sent_content) :]
+            self.sent_content = content
+        elif content:
+            log.warning("streamed content diverged from the parse; holding the rest back")
+        if reasoning.startswith(self.sent_reasoning):
+            delta.reasoning = reasoning[len(self.sent_reasoning) :]
+            self.sent_reasoning = reasoning
+        elif reasoning:
+            log.warning("streamed reasoning diverged from the parse; holding the rest back")
+        return delta

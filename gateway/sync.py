@@ -1,0 +1,170 @@
+"""Weight sync, the gateway's side: pause (abort | keep | drain), load + verify, resume.
+
+- `abort` (default): the gateway cuts every segment in flight at once by closing its stream
+  (vLLM aborts a request whose client went away); the calls keep every token received and
+  wait at the gate. In parallel each replica pauses in vLLM itself (`/pause?mode=abort`),
+  which also aborts anything that reached the engine meanwhile and leaves it quiescent for
+  the load. Not waiting for vLLM's own abort chunks matters: on busy CPUs its pause takes
+  hundreds of milliseconds, during which the calls would go on generating.
+  Paused = no segment in flight and every replica paused.
+- `keep`: vLLM freezes running requests; they continue after resume under the new weights,
+  and the replica's own version spans say which tokens came from which weights.
+- `drain`: no new segments; in-flight ones finish under the old weights (strictly on-policy).
+
+A load goes to every replica; one that fails (or does not report the new version label
+afterwards) leaves the rotation rather than serve old weights. If none loads, the replicas
+still hold, and the gateway still serves, the old version, and the error says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from lockgate.gateway.errors import GatewayError, conflict
+from lockgate.gateway.pause import PauseGate
+from lockgate.gateway.pool import ReplicaPool
+from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
+from lockgate.gateway.schema import LoadReport, PauseMode, PauseReport
+from lockgate.gateway.weights import WeightSource, WeightTransport, transport_for
+
+log = logging.getLogger(__name__)
+
+
+class SyncController:
+    def __init__(self, gate: PauseGate, pool: ReplicaPool) -> None:
+        self.gate = gate
+        self.pool = pool
+        self._paused_replicas: set[str] = set()  # replicas we paused in vLLM itself
+        self._lock = asyncio.Lock()
+
+    async def pause(self, mode: PauseMode, timeout_s: float) -> PauseReport:
+        async with self._lock:
+            if self.gate.state != "serving":
+                raise conflict(f"the gateway is {self.gate.state}; resume it before pausing again")
+            started = time.perf_counter()
+            cut_before, kept_before = self.gate.interruptions, self.gate.tokens_kept
+            await self.gate.set_state("pausing")
+            try:
+                if mode == "abort":
+                    self._cut_segments()
+                    await self._pause_replicas("abort")
+                    await self._wait_idle_or_fail(timeout_s, mode)
+                elif mode == "keep":
+                    await self._pause_replicas("keep")
+                else:
+                    await self._wait_idle_or_fail(timeout_s, mode)
+            except BaseException:
+                await self._undo_pause()
+                raise
+            await self.gate.set_state("paused")
+            return PauseReport(
+                mode=mode,
+                latency_s=time.perf_counter() - started,
+                interrupted=self.gate.interruptions - cut_before,
+                tokens_kept=self.gate.tokens_kept - kept_before,
+                frozen=self.gate.in_flight if mode == "keep" else 0,
+                version=self.gate.version,
+            )
+
+    async def _pause_replicas(self, mode: str) -> None:
+        clients = self.pool.healthy_clients()
+        results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("replica %s did not pause (%s); out of rotation", client.url, result)
+                self.pool.mark_unhealthy(client)
+                self._cut_segments(client.url)
+            else:
+                self._paused_replicas.add(client.url)
+
+    def _cut_segments(self, replica: str | None = None) -> None:
+        for segment in list(self.gate.segments.values()):
+            if replica is not None and segment.replica != replica:
+                continue
+            if segment.task is not None and not segment.task.done():
+                segment.cut = True
+                segment.task.cancel()
+
+    async def _wait_idle_or_fail(self, timeout_s: float, mode: str) -> None:
+        if not await self.gate.wait_idle(timeout_s):
+            raise GatewayError(
+                504,
+                f"{self.gate.in_flight} calls still in flight after {timeout_s:.0f}s ({mode})",
+                type="timeout",
+                code="pause_timeout",
+            )
+
+    async def _undo_pause(self) -> None:
+        await self._resume_replicas()
+        await self.gate.set_state("serving")
+
+    async def _resume_replicas(self) -> None:
+        clients = [c for c in self.pool.clients if c.url in self._paused_replicas]
+        results = await asyncio.gather(*(c.resume() for c in clients), return_exceptions=True)
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("replica %s did not resume (%s); out of rotation", client.url, result)
+                self.pool.mark_unhealthy(client)
+        self._paused_replicas.clear()
+
+    async def load(self, source: WeightSource, version: int) -> LoadReport:
+        async with self._lock:
+            if self.gate.state != "paused":
+                raise conflict("pause the gateway before loading weights")
+            started = time.perf_counter()
+            transport = transport_for(source)
+            clients = self.pool.reachable_clients()
+            results = await asyncio.gather(
+                *(self._load_one(transport, c, version) for c in clients), return_exceptions=True
+            )
+            loaded: list[str] = []
+            failed: dict[str, str] = {}
+            for client, result in zip(clients, results, strict=True):
+                if isinstance(result, BaseException):
+                    failed[client.url] = f"{type(result).__name__}: {result}"
+                    self.pool.mark_stale(client)
+                else:
+                    self.pool.set_version(client, version)
+                    loaded.append(client.url)
+            if not loaded:
+                raise GatewayError(
+                    502,
+                    f"no replica loaded version {version}; the gateway is still paused at "
+                    f"version {self.gate.version}: {failed}",
+                    type="upstream_error",
+                    code="load_failed",
+                )
+            return LoadReport(
+                version=version,
+                loaded=loaded,
+                failed=failed,
+                load_s=time.perf_counter() - started,
+            )
+
+    async def _load_one(
+        self, transport: WeightTransport, client: ReplicaClient, version: int
+    ) -> None:
+        await transport.load(client)
+        await client.reset_prefix_cache()
+        await client.set_version_label(version)
+        label = await client.version_label()
+        if label != str(version):
+            raise ReplicaUnavailable(
+                f"{client.url} reports version {label!r} after loading {version}"
+            )
+
+    async def resume(self, version: int) -> None:
+        async with self._lock:
+            if self.gate.state == "serving":
+                if version != self.gate.version:
+                    raise conflict(
+                        f"the gateway is serving version {self.gate.version}, not paused"
+                    )
+                return
+            if not self.pool.serving_clients(version):
+                raise conflict(f"no healthy replica holds version {version}; load it first")
+            await self.gate.set_state("resuming")
+            await self._resume_replicas()
+            await self.gate.set_state("serving", version)
