@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,7 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from lockgate.gateway.completions import complete
 from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.constraints import tool_call_constraint
 from lockgate.gateway.errors import (
     GatewayError,
     bad_request,
@@ -33,7 +35,7 @@ from lockgate.gateway.errors import (
     not_found,
     unauthorized,
 )
-from lockgate.gateway.generation import CallGenerator
+from lockgate.gateway.generation import CallGenerator, Sampled
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
 from lockgate.gateway.rendering import ChatRenderer, PreviousTurn, RenderedPrompt
@@ -45,6 +47,7 @@ from lockgate.gateway.schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    CompletionRequest,
     CreatedSession,
     CreateSession,
     FinishSession,
@@ -60,6 +63,7 @@ from lockgate.gateway.schema import (
 from lockgate.gateway.store import SessionRow, TrajectoryStore
 from lockgate.gateway.streaming import DeltaTracker
 from lockgate.gateway.sync import SyncController
+from lockgate.gateway.weights import DiskWeights
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -74,15 +78,21 @@ def _json(payload: Any, status_code: int = 200) -> Response:
 
 
 @dataclass
-class _PreparedCall:
+class Call:
+    """A call being generated: what its record is made of."""
+
     session: SessionRow
     raw: dict[str, Any]
-    req: ChatCompletionRequest
     prompt: RenderedPrompt
     index: int
     sampling: dict[str, Any]
     generator: CallGenerator
     started_at: float
+
+
+@dataclass
+class _PreparedCall(Call):
+    req: ChatCompletionRequest
 
 
 class Gateway:
@@ -96,7 +106,12 @@ class Gateway:
         self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1024))
         self.pool = ReplicaPool(config.replicas, self.http, version=config.initial_version)
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
-        self.sync = SyncController(self.gate, self.pool)
+        initial = config.initial_weights or (
+            str(config.model_dir) if config.initial_version == 0 else None
+        )
+        self.sync = SyncController(
+            self.gate, self.pool, DiskWeights(path=initial) if initial else None
+        )
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
         self._next_index: dict[str, int] = {}
@@ -183,18 +198,22 @@ class Gateway:
         call = await self._prepare(session, body)
         if call.req.stream:
             return await self._stream(call)
+        await self.generate(call)
+        parsed = self.renderer.parse_completion(
+            call.generator.sampled.token_ids, call.prompt.prompt_ids, call.req.tools
+        )
+        await self.record(call)
+        return _json(self._response(call, parsed.message, parsed.has_tool_calls))
+
+    async def generate(self, call: Call) -> None:
+        """Generate a call to its finish; one that fails keeps its tokens on record."""
         try:
             async with contextlib.aclosing(call.generator.run()) as chunks:
                 async for _ in chunks:
                     pass
         except GatewayError:
-            await self._record_unfinished(call)
+            await self.record_unfinished(call)
             raise
-        parsed = self.renderer.parse_completion(
-            call.generator.sampled.token_ids, call.prompt.prompt_ids, call.req.tools
-        )
-        await self._record(call)
-        return _json(self._response(call, parsed.message, parsed.has_tool_calls))
 
     async def _prepare(self, session: SessionRow, body: bytes) -> _PreparedCall:
         if session.status != "open":
@@ -215,7 +234,28 @@ class Gateway:
                 param="messages",
                 code="context_length_exceeded",
             )
-        sampling = self._sampling(req, room)
+        sampling = self.sampling_for(req, room)
+        constraint = tool_call_constraint(
+            self.config.renderer,
+            req.tools,
+            req.tool_choice,
+            reasoning=self.config.constrained_reasoning,
+            parallel_tool_calls=req.parallel_tool_calls,
+        )
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
+        call = self.new_call(session, raw, prompt, sampling, previous)
+        return _PreparedCall(**call.__dict__, req=req)
+
+    def new_call(
+        self,
+        session: SessionRow,
+        raw: dict[str, Any],
+        prompt: RenderedPrompt,
+        sampling: dict[str, Any],
+        previous: CallRecord | None,
+    ) -> Call:
+        """Reserve the call's index in its session and make its generator."""
         index = self._next_index.get(session.id)
         if index is None:
             index = previous.index + 1 if previous else 0
@@ -229,9 +269,9 @@ class Gateway:
             sampling=sampling,
             partial_rollout=self.config.partial_rollout,
         )
-        return _PreparedCall(session, raw, req, prompt, index, sampling, generator, time.time())
+        return Call(session, raw, prompt, index, sampling, generator, time.time())
 
-    def _record_of(self, call: _PreparedCall, finish_reason: str) -> CallRecord:
+    def _record_of(self, call: Call, finish_reason: str) -> CallRecord:
         s = call.generator.sampled
         return CallRecord(
             session_id=call.session.id,
@@ -250,12 +290,12 @@ class Gateway:
             extends_previous=call.prompt.extends_previous,
         )
 
-    async def _record(self, call: _PreparedCall) -> None:
+    async def record(self, call: Call) -> None:
         finish = call.generator.sampled.finish_reason
         assert finish is not None
         await self.store.add_call(self._record_of(call, finish))
 
-    async def _record_unfinished(self, call: _PreparedCall) -> None:
+    async def record_unfinished(self, call: Call) -> None:
         """A call that failed after generating something: its tokens are kept, marked
         `interrupted` (never trained on: the agent did not receive them)."""
         if call.generator.sampled.token_ids:
@@ -265,17 +305,27 @@ class Gateway:
         finish = call.generator.sampled.finish_reason or "stop"
         return "tool_calls" if finish == "stop" and has_tool_calls else finish
 
-    def _usage(self, call: _PreparedCall) -> Usage:
+    def _usage(self, call: Call) -> Usage:
         n_prompt, n = len(call.prompt.prompt_ids), len(call.generator.sampled.token_ids)
         return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n)
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
-        return ChoiceLogprobs(
-            content=[
-                TokenLogprob(token=self.renderer.decode_token(t), logprob=lp)
-                for t, lp in zip(token_ids, logprobs, strict=True)
-            ]
-        )
+    def _logprobs(self, s: Sampled, start: int, k: int) -> ChoiceLogprobs:
+        """OpenAI logprobs for the tokens from `start`; with the top-k candidates if k > 0."""
+        decode = self.renderer.decode_token
+        content = []
+        for i in range(start, len(s.token_ids)):
+            token = decode(s.token_ids[i])
+            top = s.top_logprobs[i][:k] if k and i < len(s.top_logprobs) else []
+            content.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=s.logprobs[i],
+                    top_logprobs=[
+                        {"token": decode(tid), "logprob": lp, "bytes": None} for tid, lp in top
+                    ],
+                )
+            )
+        return ChoiceLogprobs(content=content)
 
     def _response(
         self, call: _PreparedCall, message: Any, has_tool_calls: bool
@@ -288,7 +338,9 @@ class Gateway:
                 ChatChoice(
                     message=message,
                     finish_reason=self._finish_reason(call, has_tool_calls),  # type: ignore[arg-type]
-                    logprobs=self._logprobs(s.token_ids, s.logprobs) if call.req.logprobs else None,
+                    logprobs=self._logprobs(s, 0, call.req.top_logprobs or 0)
+                    if call.req.logprobs
+                    else None,
                 )
             ],
             usage=self._usage(call),
@@ -302,7 +354,7 @@ class Gateway:
             first = await anext(chunks, None)
         except GatewayError:
             await chunks.aclose()
-            await self._record_unfinished(call)
+            await self.record_unfinished(call)
             raise
         return StreamingResponse(
             self._sse(call, chunks, first is not None), media_type="text/event-stream"
@@ -340,7 +392,7 @@ class Gateway:
             nonlocal sent_logprobs
             if not call.req.logprobs or sent_logprobs >= len(s.token_ids):
                 return {}
-            lp = self._logprobs(s.token_ids[sent_logprobs:], s.logprobs[sent_logprobs:])
+            lp = self._logprobs(s, sent_logprobs, call.req.top_logprobs or 0)
             sent_logprobs = len(s.token_ids)
             return {"logprobs": lp.model_dump(mode="json")}
 
@@ -357,10 +409,10 @@ class Gateway:
             parsed = self.renderer.parse_completion(
                 s.token_ids, call.prompt.prompt_ids, call.req.tools
             )
-            await self._record(call)
+            await self.record(call)
         except GatewayError as exc:
             await chunks.aclose()
-            await self._record_unfinished(call)
+            await self.record_unfinished(call)
             yield b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
             return
         finally:
@@ -389,7 +441,10 @@ class Gateway:
             yield b"data: " + orjson.dumps(usage) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    def _sampling(self, req: ChatCompletionRequest, room: int) -> dict[str, Any]:
+    def sampling_for(
+        self, req: ChatCompletionRequest | CompletionRequest, room: int
+    ) -> dict[str, Any]:
+        """The sampling parameters the replicas use: the run's policy applied to the request."""
         policy = self.config.sampling
         honor = policy.mode == "honor"
         temperature = (
@@ -405,6 +460,9 @@ class Gateway:
         }
         if req.seed is not None:
             sampling["seed"] = req.seed
+        top_k = req.logprobs if isinstance(req, CompletionRequest) else req.top_logprobs
+        if req.logprobs and top_k:
+            sampling["logprobs"] = top_k
         return sampling
 
     # -- weight sync ----------------------------------------------------------------------------
@@ -462,8 +520,8 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
         raise bad_request("n > 1 is not supported: start one session per rollout", param="n")
     if req.stop is not None:
         raise bad_request("'stop' sequences are not supported yet", param="stop")
-    if req.top_logprobs:
-        raise bad_request("top_logprobs is not supported yet", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
 
 
 def _previous_turn(call: CallRecord) -> PreviousTurn:
@@ -512,15 +570,29 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
 
     # -- agent API ------------------------------------------------------------------------------
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat_by_path(session_id: str, request: Request) -> Response:
-        session = gateway.session_by_path(session_id, request.headers.get("authorization"))
+    AgentHandler = Callable[[SessionRow, Request], Awaitable[Response]]
+
+    def agent_route(by_path: str, by_key: str, handler: AgentHandler) -> None:
+        """Serve `handler` for a session named in the URL and for one named by its API key."""
+
+        async def route_by_path(session_id: str, request: Request) -> Response:
+            auth = request.headers.get("authorization")
+            return await handler(gateway.session_by_path(session_id, auth), request)
+
+        async def route_by_key(request: Request) -> Response:
+            auth = request.headers.get("authorization")
+            return await handler(gateway.session_by_key(auth), request)
+
+        app.post(f"/sessions/{{session_id}}{by_path}")(route_by_path)
+        app.post(by_key)(route_by_key)
+
+    async def chat(session: SessionRow, request: Request) -> Response:
         return await gateway.chat(session, await request.body())
 
-    @app.post("/v1/chat/completions")
-    async def chat_by_key(request: Request) -> Response:
-        session = gateway.session_by_key(request.headers.get("authorization"))
-        return await gateway.chat(session, await request.body())
+    async def completion(session: SessionRow, request: Request) -> Response:
+        raw = _parse_json(await request.body())
+        req = _validate(CompletionRequest, raw)
+        return _json(await complete(gateway, session, raw, req))
 
     async def agent_reward(session: SessionRow, request: Request) -> Response:
         # An agent in another process (any language) reports its own reward here.
@@ -528,15 +600,9 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         await gateway.store.set_reward(session.id, body.reward)
         return _json({"session_id": session.id, "reward": body.reward})
 
-    @app.post("/sessions/{session_id}/reward")
-    async def reward_by_path(session_id: str, request: Request) -> Response:
-        session = gateway.session_by_path(session_id, request.headers.get("authorization"))
-        return await agent_reward(session, request)
-
-    @app.post("/v1/reward")
-    async def reward_by_key(request: Request) -> Response:
-        session = gateway.session_by_key(request.headers.get("authorization"))
-        return await agent_reward(session, request)
+    agent_route("/v1/chat/completions", "/v1/chat/completions", chat)
+    agent_route("/v1/completions", "/v1/completions", completion)
+    agent_route("/reward", "/v1/reward", agent_reward)
 
     def models_payload() -> dict[str, Any]:
         return {

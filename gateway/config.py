@@ -46,4 +46,15 @@ class GatewayConfig(BaseModel):
         "versions recorded per token). Off: they fail with a 503 `interrupted` instead, so "
         "no sample ever mixes versions.",
     )
+    constrained_reasoning: Literal["auto", "disabled"] = Field(
+        default="auto",
+        description="Calls with tool_choice 'required' or a named function are constrained to "
+        "the chat format's tool-call syntax; `auto` lets the model think first, `disabled` "
+        "makes the tool call the first thing it writes.",
+    )
     initial_version: int = Field(default=0, ge=0)
+    initial_weights: str | None = Field(
+        default=None,
+        description="HF snapshot the replicas serve at start (default: model_dir when "
+        "initial_version is 0). A weight load that fails on every replica restores it.",
+    )

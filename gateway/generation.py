@@ -62,6 +62,7 @@ class Sampled:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # if asked
     finish_reason: str | None = None
     interruptions: int = 0
     failovers: int = 0
@@ -110,6 +111,7 @@ class CallGenerator:
         self._sampling = sampling
         self._budget = int(sampling["max_tokens"])
         self._partial_rollout = partial_rollout
+        self._constrained = "structured_outputs" in sampling
         self.sampled = Sampled()
 
     async def run(self) -> AsyncIterator[int]:
@@ -132,6 +134,7 @@ class CallGenerator:
                         "no healthy replica is available" + (tried if failed_replicas else "")
                     )
                 segment.replica = replica.url
+                segment.constrained = self._constrained
                 segment.offset = len(s.token_ids)
                 if not s.replicas or s.replicas[-1] != replica.url:
                     s.replicas.append(replica.url)
@@ -146,6 +149,8 @@ class CallGenerator:
                             s.token_ids.extend(item.token_ids)
                             s.logprobs.extend(item.logprobs)
                             s.token_versions.extend([version] * len(item.token_ids))
+                            if item.top_logprobs is not None:
+                                s.top_logprobs.extend(item.top_logprobs)
                             segment.tokens += len(item.token_ids)
                             yield len(s.token_ids)
                         if item.finish_reason is not None:
@@ -159,9 +164,25 @@ class CallGenerator:
                 # under the new weights within the same segment.
                 s.token_versions[start:] = labelled
 
+            if finish in ("stop", "length"):
+                # The real finish arrived: a cut or a dropped connection while the stream was
+                # closing takes nothing from the call.
+                self._pool.record_success(replica)
+                s.finish_reason = finish
+                return
             if end.kind == "error":
                 assert end.error is not None
                 raise end.error
+            if self._constrained:
+                # A grammar starts over on every new request: a constrained call cannot be
+                # continued from its partial tokens, on this replica or another.
+                raise GatewayError(
+                    503,
+                    "a constrained call (tool_choice required or named) was cut "
+                    f"({end.kind.replace('_', ' ')}) and cannot be continued; retry it",
+                    type="service_unavailable",
+                    code="interrupted",
+                )
             if end.kind == "replica_failed":
                 log.warning(
                     "replica %s failed mid-call, continuing elsewhere: %s", replica.url, end.error
@@ -172,9 +193,6 @@ class CallGenerator:
                 continue
             failed_replicas.clear()
             self._pool.record_success(replica)
-            if end.kind == "done" and finish in ("stop", "length"):
-                s.finish_reason = finish
-                return
             if end.kind == "cancelled" or finish == "abort":
                 s.interruptions += 1
                 self._gate.count_interruption(len(s.token_ids) - start)
@@ -207,23 +225,26 @@ class CallGenerator:
         sampling = {**self._sampling, "max_tokens": remaining}
 
         async def pump() -> None:
-            try:
-                async with self._pool.lease(replica):
-                    async for chunk in replica.generate_stream(
-                        prompt, sampling, request_id=segment.request_id
-                    ):
-                        queue.put_nowait(chunk)
-            except asyncio.CancelledError:
+            async with self._pool.lease(replica):
+                async for chunk in replica.generate_stream(
+                    prompt, sampling, request_id=segment.request_id
+                ):
+                    queue.put_nowait(chunk)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            # A done callback, not an except clause in pump(): a task cancelled before its
+            # first step never runs its body, and the consumer must still hear the end.
+            if task.cancelled():
                 queue.put_nowait(_SegmentEnd("cancelled"))
-                raise
-            except ReplicaUnavailable as exc:
+            elif isinstance(exc := task.exception(), ReplicaUnavailable):
                 queue.put_nowait(_SegmentEnd("replica_failed", exc))
-            except Exception as exc:
+            elif exc is not None:
                 queue.put_nowait(_SegmentEnd("error", exc))
             else:
                 queue.put_nowait(_SegmentEnd("done"))
 
         task = asyncio.create_task(pump(), name=f"segment-{segment.request_id}")
+        task.add_done_callback(ended)
         segment.task = task
         try:
             while True:
@@ -234,5 +255,4 @@ class CallGenerator:
         finally:
             if not task.done():
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait([task])

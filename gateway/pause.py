@@ -31,6 +31,9 @@ class Segment:
     offset: int = 0  # tokens the call already held when this segment started
     tokens: int = 0  # tokens this segment has produced
     cut: bool = False  # cancelled by the sync controller
+    # Under a grammar: it cannot continue from its partial tokens (the grammar would restart),
+    # so an `abort` sync lets it finish instead of cutting it.
+    constrained: bool = False
 
 
 class PausedTooLong(GatewayError):

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -25,7 +25,7 @@ class _Replica:
     failures: int = 0  # consecutive
     version: int = 0
     stale: bool = False  # a weight load failed on it: it holds no version we may serve
-    sessions: set[str] = field(default_factory=set)
+    sessions: int = 0  # sessions routed here (sticky) and not finished
 
 
 class ReplicaPool:
@@ -102,19 +102,25 @@ class ReplicaPool:
     ) -> ReplicaClient | None:
         """A replica serving `version` for this session (sticky, least-loaded fallback)."""
         loads = [
-            ReplicaLoad(url, r.healthy and not r.stale and r.version == version, r.in_flight)
+            ReplicaLoad(
+                url, r.healthy and not r.stale and r.version == version, r.in_flight, r.sessions
+            )
             for url, r in self._replicas.items()
         ]
-        url = choose_replica(
-            loads, self._sticky.get(session_id), max_imbalance=self._max_imbalance, exclude=exclude
-        )
+        sticky = self._sticky.get(session_id)
+        url = choose_replica(loads, sticky, max_imbalance=self._max_imbalance, exclude=exclude)
         if url is None:
             return None
-        self._sticky[session_id] = url
+        if url != sticky:
+            self.forget_session(session_id)
+            self._sticky[session_id] = url
+            self._replicas[url].sessions += 1
         return self._replicas[url].client
 
     def forget_session(self, session_id: str) -> None:
-        self._sticky.pop(session_id, None)
+        url = self._sticky.pop(session_id, None)
+        if url is not None and url in self._replicas:
+            self._replicas[url].sessions -= 1
 
     @contextlib.asynccontextmanager
     async def lease(self, client: ReplicaClient) -> AsyncIterator[None]:
@@ -178,9 +184,27 @@ class ReplicaPool:
             for replica in list(self._replicas.values()):
                 ok = await replica.client.healthy()
                 if ok and not replica.healthy:
-                    log.info("replica %s back in rotation", replica.client.url)
                     replica.failures = 0
                     replica.healthy = True
+                    # A replica that was restarted meanwhile holds whatever it started from,
+                    # not the version it served: it waits for the next weight load.
+                    if await self._holds_its_version(replica):
+                        log.info("replica %s back in rotation", replica.client.url)
+                    else:
+                        log.warning(
+                            "replica %s is back but not at version %d; it waits for the next "
+                            "weight load",
+                            replica.client.url,
+                            replica.version,
+                        )
+                        replica.stale = True
                 elif not ok and replica.healthy:
                     self.record_failure(replica.client)
             await asyncio.sleep(self._health_interval_s)
+
+    @staticmethod
+    async def _holds_its_version(replica: _Replica) -> bool:
+        try:
+            return await replica.client.version_label() == str(replica.version)
+        except Exception:
+            return False

@@ -34,6 +34,8 @@ class ReplicaChunk:
     finish_reason: str | None = None
     # vLLM's [{"version", "start", "end"}] over the request's output tokens (final chunk only)
     weight_versions: list[dict[str, Any]] | None = None
+    # per token, (token id, logprob) candidates best first; only when top-k logprobs were asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def _replica_error(status: int, text: str) -> GatewayError:
@@ -68,11 +70,22 @@ def parse_chunk(payload: dict[str, Any]) -> ReplicaChunk | None:
             type="upstream_error",
             code="replica_error",
         )
+    top = None
+    if any(entry.get("top_logprobs") for entry in content):
+        # vLLM lists the sampled token first, then the candidates; OpenAI wants them by rank.
+        top = [
+            sorted(
+                ((int(c["token_id"]), float(c["logprob"])) for c in entry.get("top_logprobs", [])),
+                key=lambda c: -c[1],
+            )
+            for entry in content
+        ]
     return ReplicaChunk(
         token_ids=token_ids,
         logprobs=logprobs,
         finish_reason=choice.get("finish_reason"),
         weight_versions=choice.get("weight_versions"),
+        top_logprobs=top,
     )
 
 
@@ -88,7 +101,8 @@ class ReplicaClient:
         dies are kept; closing the iterator early aborts the request in vLLM."""
         body = {
             "token_ids": prompt_ids,
-            "sampling_params": {**sampling, "logprobs": 0},
+            # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
+            "sampling_params": {"logprobs": 0, **sampling},
             "request_id": request_id,
             "stream": True,
         }

@@ -2,7 +2,9 @@
 
 Sticky per session so a session's growing prefix stays in one replica's prefix cache; but a
 sticky replica that is unhealthy, or busier than the least-loaded healthy one by more than
-`max_imbalance` calls, loses the session to the least-loaded one.
+`max_imbalance` calls, loses the session to the least-loaded one. Between replicas equally busy
+right now, the one holding fewer sessions wins: a burst of new sessions arrives before any of
+their calls is in flight, and would otherwise all land on the same replica.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class ReplicaLoad:
     url: str
     healthy: bool
     in_flight: int
+    sessions: int = 0  # sessions routed to it and not yet finished
 
 
 def choose_replica(
@@ -28,7 +31,7 @@ def choose_replica(
     candidates = [r for r in replicas if r.healthy and r.url not in exclude]
     if not candidates:
         return None
-    least = min(candidates, key=lambda r: (r.in_flight, r.url))
+    least = min(candidates, key=lambda r: (r.in_flight, r.sessions, r.url))
     if sticky is not None:
         for r in candidates:
             if r.url == sticky and r.in_flight <= least.in_flight + max_imbalance:

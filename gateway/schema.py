@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from lockgate.gateway.weights import WeightSource
 
@@ -76,6 +76,18 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: this function must be called."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -94,7 +106,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -147,6 +159,50 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class CompletionRequest(BaseModel):
+    """`/v1/completions`: one prompt, as text or as token ids, continued as is (no template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | list[int] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    user: str | None = None
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
 # ---------------------------------------------------------------------------------------------
 # Records
 
@@ -174,6 +230,13 @@ class CallRecord(BaseModel):
     ended_at: float
     interruptions: int = 0
     extends_previous: bool  # prompt starts with the previous call's prompt + completion exactly
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def constrained(self) -> bool:
+        """Sampled under a grammar (a forced tool call): the logprobs are the unconstrained
+        model's, not those of the distribution the tokens were drawn from."""
+        return "structured_outputs" in self.sampling
 
     def token_versions(self) -> list[int]:
         out = [-1] * len(self.completion_ids)

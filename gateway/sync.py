@@ -33,9 +33,14 @@ log = logging.getLogger(__name__)
 
 
 class SyncController:
-    def __init__(self, gate: PauseGate, pool: ReplicaPool) -> None:
+    def __init__(
+        self, gate: PauseGate, pool: ReplicaPool, current: WeightSource | None = None
+    ) -> None:
         self.gate = gate
         self.pool = pool
+        # Where the weights being served came from: what a replica is restored from when a
+        # load fails everywhere (None: unknown, no restore).
+        self._current: WeightSource | None = current
         self._paused_replicas: set[str] = set()  # replicas we paused in vLLM itself
         self._lock = asyncio.Lock()
 
@@ -49,6 +54,9 @@ class SyncController:
             try:
                 if mode == "abort":
                     self._cut_segments()
+                    if any(seg.constrained for seg in self.gate.segments.values()):
+                        # Constrained segments finish before vLLM's own pause would abort them.
+                        await self._wait_idle_or_fail(timeout_s, mode)
                     await self._pause_replicas("abort")
                     await self._wait_idle_or_fail(timeout_s, mode)
                 elif mode == "keep":
@@ -82,6 +90,8 @@ class SyncController:
     def _cut_segments(self, replica: str | None = None) -> None:
         for segment in list(self.gate.segments.values()):
             if replica is not None and segment.replica != replica:
+                continue
+            if replica is None and segment.constrained:
                 continue
             if segment.task is not None and not segment.task.done():
                 segment.cut = True
@@ -129,19 +139,50 @@ class SyncController:
                     self.pool.set_version(client, version)
                     loaded.append(client.url)
             if not loaded:
+                restored = await self._restore(failed)
+                held = (
+                    f"{len(restored)} replica(s) restored to it"
+                    if restored
+                    else "no replica could be restored to it"
+                )
                 raise GatewayError(
                     502,
                     f"no replica loaded version {version}; the gateway is still paused at "
-                    f"version {self.gate.version}: {failed}",
+                    f"version {self.gate.version}, {held}: {failed}",
                     type="upstream_error",
                     code="load_failed",
                 )
+            self._current = source
             return LoadReport(
                 version=version,
                 loaded=loaded,
                 failed=failed,
                 load_s=time.perf_counter() - started,
             )
+
+    async def _restore(self, failed: dict[str, str]) -> list[str]:
+        """Reload the version still served onto replicas whose load failed.
+
+        A failed load may have changed some weights before it failed, so such a replica holds
+        no known version until it loads a whole snapshot again. Used only when no replica took
+        the new version: without it the gateway could not resume the old one.
+        """
+        if self._current is None:
+            return []
+        transport = transport_for(self._current)
+        clients = [c for c in self.pool.reachable_clients() if c.url in failed]
+        results = await asyncio.gather(
+            *(self._load_one(transport, c, self.gate.version) for c in clients),
+            return_exceptions=True,
+        )
+        restored = []
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("replica %s could not be restored: %s", client.url, result)
+            else:
+                self.pool.set_version(client, self.gate.version)
+                restored.append(client.url)
+        return restored
 
     async def _load_one(
         self, transport: WeightTransport, client: ReplicaClient, version: int

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.trainer.tiny_model import ensure_tiny_model
@@ -15,6 +17,19 @@ from lockgate.trainer.tiny_model import ensure_tiny_model
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def perturbed_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with every weight moved by half its std: "new weights" for sync tests."""
+    out = tmp_path_factory.mktemp("perturbed")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std().clamp_min(1e-3))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
 
 
 @pytest.fixture(scope="session")

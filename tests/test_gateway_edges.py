@@ -218,6 +218,18 @@ async def test_unknown_sessions_and_wrong_keys_are_refused(
             b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "bad name!"}}]}',
             "tools.0.function.name",
         ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+            "tool_choice requires 'tools'",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a"}}], "tool_choice": {"type": "function", "function": {"name": "b"}}}',
+            "names 'b', which is not among the tools",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}',
+            "tool_choice",
+        ),
     ],
 )
 async def test_bad_requests_get_a_400_and_record_nothing(
@@ -398,4 +410,87 @@ async def test_a_pause_that_outlasts_the_wait_limit_fails_calls_with_503(harness
     await harness.client.post("/admin/pause", json={}, headers=_admin())
     r = await harness.client.post(f"{s['base_url']}/chat/completions", json=_chat())
     _assert_openai_error(r, 503, "paused")
+    assert await harness.calls(s["session_id"]) == []
+
+
+async def test_a_forced_tool_call_is_constrained_by_the_formats_structural_tag(
+    harness: Harness,
+) -> None:
+    s = await harness.session()
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]
+    forced = {"type": "function", "function": {"name": "look"}}
+    for choice, constrained in ((forced, True), ("required", True), ("auto", False)):
+        r = await harness.client.post(
+            f"{s['base_url']}/chat/completions", json=_chat(tools=tools, tool_choice=choice)
+        )
+        assert r.status_code == 200, r.text
+        sent = harness.replica.requests[-1]["sampling_params"]
+        assert ("structured_outputs" in sent) is constrained
+        if constrained:
+            tag = json.loads(sent["structured_outputs"]["structural_tag"])
+            assert tag["type"] == "structural_tag"
+            assert '<tool_call>\n{"name": "look"' in _strings(tag["format"])
+    calls = await harness.calls(s["session_id"])
+    assert [c["constrained"] for c in calls] == [True, True, False]
+
+
+def _strings(node: Any) -> str:
+    """Every string inside a JSON value, concatenated (to find text in nested specs)."""
+    if isinstance(node, str):
+        return node
+    if isinstance(node, dict):
+        node = list(node.values())
+    if isinstance(node, list):
+        return "\n".join(_strings(v) for v in node)
+    return ""
+
+
+async def test_completions_continue_a_raw_prompt_and_record_it(
+    harness: Harness, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    s = await harness.session()
+    url = f"{s['base_url']}/completions"
+    r = await harness.client.post(url, json={"prompt": "Once upon", "logprobs": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    (choice,) = body["choices"]
+    assert choice["text"] == "hello there" and choice["finish_reason"] == "stop"
+    assert len(choice["logprobs"]["token_logprobs"]) == len(harness.replica.completion)
+    (first,) = await harness.calls(s["session_id"])
+    assert first["prompt_ids"] == tok.encode("Once upon", add_special_tokens=False)
+    assert first["completion_ids"] == harness.replica.completion
+    # Token ids that continue the previous prompt + completion extend it: one sample.
+    ids = first["prompt_ids"] + first["completion_ids"] + tok.encode(" more")
+    r = await harness.client.post(url, json={"prompt": ids, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    second = (await harness.calls(s["session_id"]))[1]
+    assert second["extends_previous"] and second["prompt_ids"] == ids
+    samples = await harness.client.get(
+        f"/admin/sessions/{s['session_id']}/samples", headers=_admin()
+    )
+    assert len(samples.json()["samples"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": [1, 99999999]}, "outside the vocabulary"),
+        ({"prompt": "x", "stream": True}, "stream is not supported"),
+        ({"prompt": "x", "n": 3}, "n > 1"),
+        ({"prompt": "x", "best_of": 3}, "unsupported parameter 'best_of'"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "word " * 400}, "context"),
+    ],
+)
+async def test_bad_completions_get_a_400_and_record_nothing(
+    harness: Harness, body: dict[str, Any], needle: str
+) -> None:
+    s = await harness.session()
+    r = await harness.client.post(f"{s['base_url']}/completions", json=body)
+    _assert_openai_error(r, 400, needle)
     assert await harness.calls(s["session_id"]) == []

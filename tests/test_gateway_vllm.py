@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from lockgate.gateway.app import create_app
 from lockgate.gateway.config import GatewayConfig
@@ -155,16 +155,6 @@ async def test_trainer_logprobs_match_rollout_logprobs(
     assert worst < 1e-2
 
 
-def _perturbed_copy(model_dir: Path, out: Path, scale: float = 0.5) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp_min(1e-3))
-    model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 async def _sync(gw: httpx.AsyncClient, path: Path, version: int) -> dict[str, Any]:
     assert (await gw.post("/admin/pause", json={}, headers=HEADERS)).json()["state"] == "paused"
     loaded = await gw.post(
@@ -178,9 +168,9 @@ async def _sync(gw: httpx.AsyncClient, path: Path, version: int) -> dict[str, An
 
 
 async def test_after_a_sync_replicas_generate_with_the_new_weights(
-    gw: httpx.AsyncClient, tiny_model_dir: Path, replicas: Any, tmp_path: Path
+    gw: httpx.AsyncClient, tiny_model_dir: Path, replicas: Any, perturbed_model_dir: Path
 ) -> None:
-    new_dir = _perturbed_copy(tiny_model_dir, tmp_path / "v1")
+    new_dir = perturbed_model_dir
     try:
         loaded = await _sync(gw, new_dir, 1)
         assert sorted(loaded["loaded"]) == sorted(u.rstrip("/") for u in replicas.urls)
@@ -245,3 +235,63 @@ async def test_a_dead_replica_is_routed_around_and_all_dead_is_a_503(
     finally:
         await client.aclose()
         await app.state.gateway.close()
+
+
+async def test_top_logprobs_rank_the_candidates_and_greedy_picks_the_first(
+    gw: httpx.AsyncClient,
+) -> None:
+    s = await _session(gw)
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    r = await gw.post(f"{s['base_url']}/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    (call,) = await _calls(gw, s["session_id"])
+    assert len(content) == len(call["completion_ids"]) == 12
+    for entry, lp in zip(content, call["logprobs"], strict=True):
+        top = entry["top_logprobs"]
+        assert len(top) == 3
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert top[0]["token"] == entry["token"]
+        assert top[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+        assert entry["logprob"] == pytest.approx(lp)
+    streamed = await gw.post(f"{s['base_url']}/chat/completions", json={**body, "stream": True})
+    deltas = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    tops = [
+        e["top_logprobs"]
+        for d in deltas
+        for c in d["choices"]
+        if c.get("logprobs")
+        for e in c["logprobs"]["content"]
+    ]
+    assert tops == [entry["top_logprobs"] for entry in content]
+
+
+async def test_completions_match_vllms_own_completions_for_the_same_token_ids(
+    gw: httpx.AsyncClient, replicas: Any
+) -> None:
+    s = await _session(gw)
+    prompt = [5, 77, 301, 42, 600, 12]
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0.0, "logprobs": 0}
+    r = await gw.post(f"{s['base_url']}/completions", json=body)
+    assert r.status_code == 200, r.text
+    (call,) = await _calls(gw, s["session_id"])
+    assert call["prompt_ids"] == prompt
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = await http.post(
+            f"{replicas.urls[0]}/v1/completions",
+            json={**body, "model": str(replicas.config.model_dir), "return_token_ids": True},
+        )
+    assert direct.status_code == 200, direct.text
+    theirs = direct.json()["choices"][0]
+    assert call["completion_ids"] == theirs["token_ids"]
+    assert call["logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
+    assert r.json()["choices"][0]["text"] == theirs["text"]

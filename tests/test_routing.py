@@ -22,3 +22,11 @@ def test_unhealthy_or_excluded_sticky_replica_loses_the_session() -> None:
 def test_no_healthy_replica_gives_none() -> None:
     assert choose_replica([ReplicaLoad("a", False, 0)], "a") is None
     assert choose_replica([], None) is None
+
+
+def test_equally_busy_replicas_take_new_sessions_by_fewest_sessions() -> None:
+    loads = [ReplicaLoad("a", True, 0, sessions=3), ReplicaLoad("b", True, 0, sessions=2)]
+    assert choose_replica(loads, None) == "b"
+    # In-flight calls still come first.
+    loads = [ReplicaLoad("a", True, 0, sessions=9), ReplicaLoad("b", True, 1, sessions=0)]
+    assert choose_replica(loads, None) == "a"

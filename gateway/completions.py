@@ -1,0 +1,117 @@
+"""`/v1/completions`: a raw prompt (text or token ids) continued without any chat template.
+
+Recorded like a chat call: the prompt ids, every sampled id with its logprob and version. A
+prompt that starts with the session's previous prompt + completion extends it (one training
+sample); any other starts a new sample.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lockgate.gateway.errors import bad_request, conflict
+from lockgate.gateway.rendering import RenderedPrompt
+from lockgate.gateway.schema import (
+    CallRecord,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from lockgate.gateway.app import Call, Gateway
+    from lockgate.gateway.store import SessionRow
+
+
+def _refuse_unsupported(req: CompletionRequest) -> None:
+    if req.n != 1:
+        raise bad_request("n > 1 is not supported: start one session per rollout", param="n")
+    if req.stream:
+        raise bad_request("stream is not supported on /v1/completions", param="stream")
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.stop is not None:
+        raise bad_request("'stop' sequences are not supported yet", param="stop")
+
+
+def _extends(prompt_ids: list[int], previous: CallRecord | None) -> bool:
+    if previous is None:
+        return False
+    before = previous.prompt_ids + previous.completion_ids
+    return len(prompt_ids) >= len(before) and prompt_ids[: len(before)] == before
+
+
+async def complete(
+    gateway: Gateway, session: SessionRow, raw: dict[str, Any], req: CompletionRequest
+) -> dict[str, Any]:
+    if session.status != "open":
+        raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
+    _refuse_unsupported(req)
+    tokenizer = gateway.renderer.tokenizer
+    if isinstance(req.prompt, str):
+        prompt_ids = tokenizer.encode(req.prompt, add_special_tokens=False)
+    else:
+        vocab = len(tokenizer)
+        bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+            )
+        prompt_ids = list(req.prompt)
+    room = gateway.config.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise bad_request(
+            f"the prompt is {len(prompt_ids)} tokens; this model's context is "
+            f"{gateway.config.max_model_len} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    previous = await gateway.store.last_call(session.id)
+    prompt = RenderedPrompt(prompt_ids=prompt_ids, extends_previous=_extends(prompt_ids, previous))
+    sampling = gateway.sampling_for(req, room)
+    call = gateway.new_call(session, raw, prompt, sampling, previous)
+    await gateway.generate(call)
+    await gateway.record(call)
+    return _response(gateway, call, req).model_dump(mode="json", exclude_none=True)
+
+
+def _response(gateway: Gateway, call: Call, req: CompletionRequest) -> CompletionResponse:
+    s = call.generator.sampled
+    tokenizer = gateway.renderer.tokenizer
+    logprobs = None
+    if req.logprobs is not None:
+        pieces = [gateway.renderer.decode_token(t) for t in s.token_ids]
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        top = None
+        if req.logprobs > 0:
+            decode = gateway.renderer.decode_token
+            top = [
+                {decode(t): lp for t, lp in s.top_logprobs[i][: req.logprobs]}
+                for i in range(len(s.top_logprobs))
+            ]
+        logprobs = CompletionLogprobs(
+            tokens=pieces, token_logprobs=s.logprobs, top_logprobs=top, text_offset=offsets
+        )
+    finish = s.finish_reason if s.finish_reason in ("stop", "length") else "stop"
+    n_prompt = len(call.prompt.prompt_ids)
+    return CompletionResponse(
+        id=f"cmpl-{call.session.id[:8]}-{call.index}",
+        model=gateway.config.model_name,
+        choices=[
+            CompletionChoice(
+                text=tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                finish_reason=finish,  # type: ignore[arg-type]
+                logprobs=logprobs,
+            )
+        ],
+        usage=Usage(
+            prompt_tokens=n_prompt,
+            completion_tokens=len(s.token_ids),
+            total_tokens=n_prompt + len(s.token_ids),
+        ),
+    )

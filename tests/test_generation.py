@@ -1,0 +1,114 @@
+"""CallGenerator edge cases on an in-memory upstream: what a cut or a dropped stream does to a
+segment whose real finish has already arrived."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+
+from lockgate.gateway.generation import CallGenerator
+from lockgate.gateway.pause import PauseGate, Segment
+from lockgate.gateway.pool import ReplicaPool
+
+TOKENS = [5, 6, 7]
+
+
+def _finish_line() -> bytes:
+    choice = {
+        "index": 0,
+        "token_ids": TOKENS,
+        "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in TOKENS]},
+        "finish_reason": "length",
+    }
+    return b"data: " + json.dumps({"request_id": "x", "choices": [choice]}).encode() + b"\n\n"
+
+
+def _upstream(after_finish: str) -> httpx.MockTransport:
+    """Sends every token with the finish, then hangs or drops instead of ending the stream."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield _finish_line()
+        if after_finish == "hang":
+            await asyncio.sleep(30)
+        raise httpx.ReadError("connection reset")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    return httpx.MockTransport(handler)
+
+
+async def _generate(after_finish: str, cut: bool) -> tuple[CallGenerator, PauseGate]:
+    gate = PauseGate()
+    async with httpx.AsyncClient(transport=_upstream(after_finish)) as http:
+        pool = ReplicaPool(["http://replica"], http)
+        gen = CallGenerator(
+            gate, pool, session_id="s", prompt_ids=[1, 2], sampling={"max_tokens": 8}
+        )
+        async for held in gen.run():
+            if cut and held == len(TOKENS):
+                # What the sync controller does to a segment in flight.
+                for segment in gate.segments.values():
+                    assert segment.task is not None
+                    segment.task.cancel()
+    return gen, gate
+
+
+async def test_a_cut_after_the_real_finish_is_not_an_interruption() -> None:
+    gen, gate = await asyncio.wait_for(_generate("hang", cut=True), 10)
+    assert gen.sampled.token_ids == TOKENS
+    assert gen.sampled.finish_reason == "length"
+    assert gen.sampled.interruptions == 0
+    assert gate.interruptions == 0 and not gate.segments
+
+
+async def test_a_connection_dropped_after_the_real_finish_is_not_a_failover() -> None:
+    gen, _ = await asyncio.wait_for(_generate("drop", cut=False), 10)
+    assert gen.sampled.token_ids == TOKENS
+    assert gen.sampled.finish_reason == "length"
+    assert gen.sampled.failovers == 0
+    assert gen.sampled.replicas == ["http://replica"]
+
+
+class _CutFirstSegmentBeforeItStarts(PauseGate):
+    """Cancels the first segment's task in the loop turn in which it is created, before its
+    first step: what a sync's cut does to a call admitted just before the pause."""
+
+    async def admit(self) -> tuple[Segment, int]:
+        segment, version = await super().admit()
+        if self.interruptions == 0 and not getattr(self, "cut_once", False):
+            self.cut_once = True
+            asyncio.get_running_loop().call_soon(lambda: segment.task and segment.task.cancel())
+        return segment, version
+
+
+async def test_a_segment_cut_before_its_request_starts_is_an_interruption_not_a_hang() -> None:
+    gate = _CutFirstSegmentBeforeItStarts()
+    async with httpx.AsyncClient(transport=_upstream("drop")) as http:
+        pool = ReplicaPool(["http://replica"], http)
+        gen = CallGenerator(
+            gate, pool, session_id="s", prompt_ids=[1, 2], sampling={"max_tokens": 8}
+        )
+
+        async def consume() -> None:
+            async for _ in gen.run():
+                pass
+
+        await asyncio.wait_for(consume(), 10)
+    assert gen.sampled.interruptions == 1
+    assert gen.sampled.token_ids == TOKENS and gen.sampled.finish_reason == "length"
+
+
+async def test_a_burst_of_new_sessions_is_spread_over_the_replicas() -> None:
+    async with httpx.AsyncClient(transport=_upstream("drop")) as http:
+        pool = ReplicaPool(["http://a", "http://b"], http)
+        picked = [pool.pick(f"s{i}", 0) for i in range(6)]
+        assert [c.url for c in picked if c] == ["http://a", "http://b"] * 3
+        # Sticky afterwards, and a finished session frees its place.
+        assert pool.pick("s0", 0).url == "http://a"  # type: ignore[union-attr]
+        pool.forget_session("s0")
+        pool.forget_session("s2")
+        assert pool.pick("new", 0).url == "http://a"  # type: ignore[union-attr]
