@@ -38,7 +38,12 @@ from lockgate.gateway.errors import (
 from lockgate.gateway.generation import CallGenerator, Sampled
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
-from lockgate.gateway.rendering import ChatRenderer, PreviousTurn, RenderedPrompt
+from lockgate.gateway.rendering import (
+    ChatRenderer,
+    ParsedCompletion,
+    PreviousTurn,
+    RenderedPrompt,
+)
 from lockgate.gateway.samples import merge_calls
 from lockgate.gateway.schema import (
     AddReplica,
@@ -60,6 +65,7 @@ from lockgate.gateway.schema import (
     TokenLogprob,
     Usage,
 )
+from lockgate.gateway.stops import StopScanner, as_list, cut_at_stop
 from lockgate.gateway.store import SessionRow, TrajectoryStore
 from lockgate.gateway.streaming import DeltaTracker
 from lockgate.gateway.sync import SyncController
@@ -199,11 +205,23 @@ class Gateway:
         if call.req.stream:
             return await self._stream(call)
         await self.generate(call)
+        parsed = self._parse(call)
+        await self.record(call)
+        return _json(self._response(call, parsed.message, parsed.has_tool_calls))
+
+    def _parse(self, call: _PreparedCall) -> ParsedCompletion:
+        """The answer in the sampled tokens; text from a stop string on is not part of it."""
         parsed = self.renderer.parse_completion(
             call.generator.sampled.token_ids, call.prompt.prompt_ids, call.req.tools
         )
-        await self.record(call)
-        return _json(self._response(call, parsed.message, parsed.has_tool_calls))
+        stops = as_list(call.req.stop)
+        if not stops or call.generator.sampled.finish_reason != "stop":
+            return parsed
+        m = parsed.message
+        reasoning, in_reasoning = cut_at_stop(m.reasoning_content or "", stops)
+        content = "" if in_reasoning else cut_at_stop(m.content or "", stops)[0]
+        message = m.model_copy(update={"reasoning_content": reasoning or None, "content": content})
+        return ParsedCompletion(message=message, has_tool_calls=parsed.has_tool_calls)
 
     async def generate(self, call: Call) -> None:
         """Generate a call to its finish; one that fails keeps its tokens on record."""
@@ -241,10 +259,11 @@ class Gateway:
             req.tool_choice,
             reasoning=self.config.constrained_reasoning,
             parallel_tool_calls=req.parallel_tool_calls,
+            special_tokens=self.renderer.special_tokens,
         )
         if constraint is not None:
             sampling["structured_outputs"] = constraint
-        call = self.new_call(session, raw, prompt, sampling, previous)
+        call = self.new_call(session, raw, prompt, sampling, previous, req.stop)
         return _PreparedCall(**call.__dict__, req=req)
 
     def new_call(
@@ -254,6 +273,7 @@ class Gateway:
         prompt: RenderedPrompt,
         sampling: dict[str, Any],
         previous: CallRecord | None,
+        stop: str | list[str] | None = None,
     ) -> Call:
         """Reserve the call's index in its session and make its generator."""
         index = self._next_index.get(session.id)
@@ -268,8 +288,12 @@ class Gateway:
             prompt_ids=prompt.prompt_ids,
             sampling=sampling,
             partial_rollout=self.config.partial_rollout,
+            stop=StopScanner(as_list(stop), self._decode) if stop else None,
         )
         return Call(session, raw, prompt, index, sampling, generator, time.time())
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _record_of(self, call: Call, finish_reason: str) -> CallRecord:
         s = call.generator.sampled
@@ -364,7 +388,9 @@ class Gateway:
         self, call: _PreparedCall, chunks: AsyncIterator[int], primed: bool
     ) -> AsyncIterator[bytes]:
         cid, created, model = _completion_id(call), int(time.time()), self.config.model_name
-        tracker = DeltaTracker(self.renderer, call.prompt.prompt_ids, call.req.tools)
+        tracker = DeltaTracker(
+            self.renderer, call.prompt.prompt_ids, call.req.tools, as_list(call.req.stop)
+        )
         s = call.generator.sampled
         sent_logprobs = 0
 
@@ -406,9 +432,7 @@ class Gateway:
                     if d or extra:
                         yield event(deltas(d.content, d.reasoning), **extra)
                     pending = await anext(chunks, None) is not None
-            parsed = self.renderer.parse_completion(
-                s.token_ids, call.prompt.prompt_ids, call.req.tools
-            )
+            parsed = self._parse(call)
             await self.record(call)
         except GatewayError as exc:
             await chunks.aclose()
@@ -518,8 +542,6 @@ def _validate(model: type[M], raw: dict[str, Any]) -> M:
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     if req.n != 1:
         raise bad_request("n > 1 is not supported: start one session per rollout", param="n")
-    if req.stop is not None:
-        raise bad_request("'stop' sequences are not supported yet", param="stop")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
 

@@ -19,6 +19,7 @@ from lockgate.gateway.schema import (
     CompletionResponse,
     Usage,
 )
+from lockgate.gateway.stops import as_list, cut_at_stop
 
 if TYPE_CHECKING:
     from lockgate.gateway.app import Call, Gateway
@@ -32,8 +33,6 @@ def _refuse_unsupported(req: CompletionRequest) -> None:
         raise bad_request("stream is not supported on /v1/completions", param="stream")
     if req.echo:
         raise bad_request("echo is not supported", param="echo")
-    if req.stop is not None:
-        raise bad_request("'stop' sequences are not supported yet", param="stop")
 
 
 def _extends(prompt_ids: list[int], previous: CallRecord | None) -> bool:
@@ -71,7 +70,7 @@ async def complete(
     previous = await gateway.store.last_call(session.id)
     prompt = RenderedPrompt(prompt_ids=prompt_ids, extends_previous=_extends(prompt_ids, previous))
     sampling = gateway.sampling_for(req, room)
-    call = gateway.new_call(session, raw, prompt, sampling, previous)
+    call = gateway.new_call(session, raw, prompt, sampling, previous, req.stop)
     await gateway.generate(call)
     await gateway.record(call)
     return _response(gateway, call, req).model_dump(mode="json", exclude_none=True)
@@ -104,7 +103,9 @@ def _response(gateway: Gateway, call: Call, req: CompletionRequest) -> Completio
         model=gateway.config.model_name,
         choices=[
             CompletionChoice(
-                text=tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                text=cut_at_stop(
+                    tokenizer.decode(s.token_ids, skip_special_tokens=True), as_list(req.stop)
+                )[0],
                 finish_reason=finish,  # type: ignore[arg-type]
                 logprobs=logprobs,
             )

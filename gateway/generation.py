@@ -30,6 +30,7 @@ from lockgate.gateway.pause import PauseGate, Segment
 from lockgate.gateway.pool import ReplicaPool
 from lockgate.gateway.replica_client import ReplicaChunk, ReplicaClient, ReplicaUnavailable
 from lockgate.gateway.schema import VersionSpan
+from lockgate.gateway.stops import StopScanner
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class Sampled:
     failovers: int = 0
     replicas: list[str] = field(default_factory=list)
 
+    def truncate(self, n: int) -> None:
+        del self.token_ids[n:], self.logprobs[n:], self.token_versions[n:]
+        del self.top_logprobs[n:]
+
     def spans(self) -> list[VersionSpan]:
         out: list[VersionSpan] = []
         for i, v in enumerate(self.token_versions):
@@ -103,6 +108,7 @@ class CallGenerator:
         prompt_ids: list[int],
         sampling: dict[str, Any],
         partial_rollout: bool = True,
+        stop: StopScanner | None = None,
     ) -> None:
         self._gate = gate
         self._pool = pool
@@ -112,6 +118,7 @@ class CallGenerator:
         self._budget = int(sampling["max_tokens"])
         self._partial_rollout = partial_rollout
         self._constrained = "structured_outputs" in sampling
+        self._stop = stop
         self.sampled = Sampled()
 
     async def run(self) -> AsyncIterator[int]:
@@ -146,12 +153,20 @@ class CallGenerator:
                             end = item
                             continue
                         if item.token_ids:
+                            held = len(s.token_ids)
                             s.token_ids.extend(item.token_ids)
                             s.logprobs.extend(item.logprobs)
                             s.token_versions.extend([version] * len(item.token_ids))
                             if item.top_logprobs is not None:
                                 s.top_logprobs.extend(item.top_logprobs)
                             segment.tokens += len(item.token_ids)
+                            keep = self._stop.scan(s.token_ids, held) if self._stop else None
+                            if keep is not None:
+                                # Leaving the loop closes the stream: vLLM stops generating.
+                                s.truncate(keep)
+                                s.finish_reason = "stop"
+                                yield len(s.token_ids)
+                                return
                             yield len(s.token_ids)
                         if item.finish_reason is not None:
                             finish = item.finish_reason

@@ -48,6 +48,8 @@ class ChatRenderer:
         config = renderers.config_from_name(renderer_name)
         self._renderer = renderers.create_renderer(self.tokenizer, config)
         self.stop_token_ids: list[int] = list(self._renderer.get_stop_token_ids())
+        # Added tokens (chat markers such as <tool_call>, </think>): text -> id.
+        self.special_tokens: dict[str, int] = dict(self.tokenizer.get_added_vocab())
         opener = self.tokenizer.convert_tokens_to_ids("<tool_call>")
         self.tool_call_start_id: int | None = (
             opener if isinstance(opener, int) and opener != self.tokenizer.unk_token_id else None

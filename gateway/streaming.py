@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from lockgate.gateway.rendering import ChatRenderer
 from lockgate.gateway.schema import AssistantMessage, ToolSpec
+from lockgate.gateway.stops import cut_at_stop
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,17 @@ class Delta:
 
 class DeltaTracker:
     def __init__(
-        self, renderer: ChatRenderer, prompt_ids: Sequence[int], tools: list[ToolSpec] | None
+        self,
+        renderer: ChatRenderer,
+        prompt_ids: Sequence[int],
+        tools: list[ToolSpec] | None,
+        stops: Sequence[str] = (),
     ) -> None:
         self._renderer = renderer
         self._prompt_ids = list(prompt_ids)
         self._tools = tools
         self._stop_at = renderer.tool_call_start_id
+        self._stops = [x for x in stops if x]
         self.sent_content = ""
         self.sent_reasoning = ""
 
@@ -49,8 +55,22 @@ class DeltaTracker:
             ids = ids[: ids.index(self._stop_at)]
         message = self._renderer.parse_completion(ids, self._prompt_ids, self._tools).message
         return self._advance(
-            _stable(message.content or ""), _stable(message.reasoning_content or "")
+            self._before_stop(_stable(message.content or "")),
+            self._before_stop(_stable(message.reasoning_content or "")),
         )
+
+    def _before_stop(self, text: str) -> str:
+        """What may go out: nothing from a stop string on, nor a tail that may begin one."""
+        if not self._stops:
+            return text
+        text, found = cut_at_stop(text, self._stops)
+        if found:
+            return text
+        hold = max(
+            (n for stop in self._stops for n in range(1, len(stop)) if text.endswith(stop[:n])),
+            default=0,
+        )
+        return text[: len(text) - hold]
 
     def finish(self, message: AssistantMessage) -> Delta:
         """The rest of the final message (whatever was held back)."""

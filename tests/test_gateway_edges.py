@@ -429,7 +429,10 @@ async def test_a_forced_tool_call_is_constrained_by_the_formats_structural_tag(
         if constrained:
             tag = json.loads(sent["structured_outputs"]["structural_tag"])
             assert tag["type"] == "structural_tag"
-            assert '<tool_call>\n{"name": "look"' in _strings(tag["format"])
+            assert '\n{"name": "look", "arguments": ' in _strings(tag["format"])
+            # The markers are matched as the special tokens, by id, not as spellable text.
+            opener = harness.app.state.gateway.renderer.special_tokens["<tool_call>"]
+            assert {"type": "token", "token": opener} in _nodes(tag["format"])
     calls = await harness.calls(s["session_id"])
     assert [c["constrained"] for c in calls] == [True, True, False]
 
@@ -494,3 +497,34 @@ async def test_bad_completions_get_a_400_and_record_nothing(
     r = await harness.client.post(f"{s['base_url']}/completions", json=body)
     _assert_openai_error(r, 400, needle)
     assert await harness.calls(s["session_id"]) == []
+
+
+def _nodes(node: Any) -> list[Any]:
+    """Every JSON object inside a JSON value."""
+    if isinstance(node, dict):
+        return [node, *(n for v in node.values() for n in _nodes(v))]
+    if isinstance(node, list):
+        return [n for v in node for n in _nodes(v)]
+    return []
+
+
+async def test_a_stop_string_ends_the_answer_before_it_streamed_or_not(harness: Harness) -> None:
+    s = await harness.session()
+    url = f"{s['base_url']}/chat/completions"
+    r = await harness.client.post(url, json=_chat(stop=[" the", "zzz"]))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == "hello" and choice["finish_reason"] == "stop"
+    streamed = await harness.client.post(url, json=_chat(stop=" the", stream=True))
+    events = [json.loads(x[6:]) for x in streamed.text.splitlines() if x.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == "hello"
+    first, second = await harness.calls(s["session_id"])
+    # The tokens up to the one that completed the stop string were sampled: they stay recorded.
+    assert first["completion_ids"] == second["completion_ids"]
+    assert len(first["completion_ids"]) < len(harness.replica.completion)
+    assert first["finish_reason"] == "stop"
+    r = await harness.client.post(
+        f"{s['base_url']}/completions", json={"prompt": "x", "stop": "there"}
+    )
+    assert r.json()["choices"][0]["text"] == "hello "

@@ -20,7 +20,7 @@ from lockgate.gateway.pool import ReplicaPool
 
 ADMIN = "admin-token-for-sync-edges"
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
-WORDS = 40  # tokens per answer
+WORDS = 100  # tokens per answer (2 s at step_s: calls stay in flight on a busy machine)
 
 
 @dataclass
@@ -30,7 +30,7 @@ class SlowReplica:
 
     url: str
     tokens: list[int]
-    step_s: float = 0.01
+    step_s: float = 0.02
     label: str | None = None
     paused: str | None = None
     fail_loads_from: set[str] = field(default_factory=set)
