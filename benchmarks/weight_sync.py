@@ -98,10 +98,19 @@ def build_big_model(tiny: Path, out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def stack(model_dir: Path, replicas: int, work: Path) -> Iterator[tuple[str, GatewayProcess]]:
+def stack(
+    model_dir: Path, replicas: int, work: Path, eager: bool = False
+) -> Iterator[tuple[str, GatewayProcess]]:
     replica_set = LocalReplicaSet(
         ReplicaLaunchConfig(
-            model_dir=model_dir, count=replicas, max_model_len=2048, log_dir=work / "logs"
+            model_dir=model_dir,
+            count=replicas,
+            max_model_len=2048,
+            log_dir=work / "logs",
+            # The 0.5B model's compile warm-up takes many minutes on 2 cores; eager mode
+            # changes how fast it generates, not how its weights load.
+            extra_args=["--enforce-eager"] if eager else [],
+            startup_timeout_s=900,
         )
     )
     with replica_set:
@@ -151,6 +160,8 @@ async def sync_once(admin: GatewayClient, path: Path, version: int) -> dict[str,
     return {
         "pause_s": paused - started,
         "pause_gateway_s": pause.latency_s,
+        "streams_closed_s": pause.streams_closed_s,
+        "replicas_paused_s": pause.replicas_paused_s,
         "interrupted": pause.interrupted,
         "tokens_kept": pause.tokens_kept,
         "load_s": loaded - paused,
@@ -178,6 +189,8 @@ async def run_syncs(
                 r = out[-1]
                 print(
                     f"  sync {i + 1}/{syncs}: pause {r['pause_s'] * 1e3:.0f} ms "
+                    f"(streams closed {r['streams_closed_s'] * 1e3:.0f}, "
+                    f"vLLM paused {r['replicas_paused_s'] * 1e3:.0f}) "
                     f"({r['interrupted']:.0f} cut, {r['tokens_kept']:.0f} tokens kept), "
                     f"load {r['load_s'] * 1e3:.0f} ms, total {r['sync_s'] * 1e3:.0f} ms",
                     flush=True,
@@ -199,6 +212,10 @@ def summarize(rows: list[dict[str, float]], nbytes: int, gbps: float) -> dict[st
         "pause_ms_p50": 1e3 * statistics.median(col["pause_s"]),
         "pause_ms_p99": 1e3 * percentile(col["pause_s"], 99),
         "pause_gateway_ms_p50": 1e3 * statistics.median(col["pause_gateway_s"]),
+        "streams_closed_ms_p50": 1e3 * statistics.median(col["streams_closed_s"]),
+        "streams_closed_ms_p99": 1e3 * percentile(col["streams_closed_s"], 99),
+        "replicas_paused_ms_p50": 1e3 * statistics.median(col["replicas_paused_s"]),
+        "replicas_paused_ms_p99": 1e3 * percentile(col["replicas_paused_s"], 99),
         "cut_per_pause_mean": statistics.mean(col["interrupted"]),
         "load_ms_p50": 1e3 * load_p50,
         "sync_ms_p50": 1e3 * statistics.median(col["sync_s"]),
@@ -253,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             gbps = memcpy_gbps(nbytes)
             print(f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica, 4 agents", flush=True)
             (work / "big").mkdir()
-            with stack(big, 1, work / "big") as (url, _):
+            with stack(big, 1, work / "big", eager=True) as (url, _):
                 rows = asyncio.run(run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0)))
             results["big"] = summarize(rows, nbytes, gbps)
 

@@ -323,6 +323,9 @@ class PauseReport(BaseModel):
     tokens_kept: int  # tokens those segments had generated, all kept
     frozen: int  # requests frozen inside vLLM (keep)
     version: int
+    # abort mode, from the pause request: every cut stream closed / every replica paused in vLLM
+    streams_closed_s: float = 0.0
+    replicas_paused_s: float = 0.0
 
 
 class LoadWeights(BaseModel):

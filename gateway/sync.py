@@ -51,14 +51,24 @@ class SyncController:
             started = time.perf_counter()
             cut_before, kept_before = self.gate.interruptions, self.gate.tokens_kept
             await self.gate.set_state("pausing")
+            idle_s = replicas_s = 0.0
             try:
                 if mode == "abort":
                     self._cut_segments()
                     if any(seg.constrained for seg in self.gate.segments.values()):
                         # Constrained segments finish before vLLM's own pause would abort them.
                         await self._wait_idle_or_fail(timeout_s, mode)
-                    await self._pause_replicas("abort")
-                    await self._wait_idle_or_fail(timeout_s, mode)
+
+                    async def replicas_paused() -> float:
+                        await self._pause_replicas("abort")
+                        return time.perf_counter() - started
+
+                    async def idle() -> float:
+                        await self._wait_idle_or_fail(timeout_s, mode)
+                        return time.perf_counter() - started
+
+                    # Side by side: the cut streams wind down while vLLM pauses its engines.
+                    replicas_s, idle_s = await asyncio.gather(replicas_paused(), idle())
                 elif mode == "keep":
                     await self._pause_replicas("keep")
                 else:
@@ -74,6 +84,8 @@ class SyncController:
                 tokens_kept=self.gate.tokens_kept - kept_before,
                 frozen=self.gate.in_flight if mode == "keep" else 0,
                 version=self.gate.version,
+                streams_closed_s=idle_s,
+                replicas_paused_s=replicas_s,
             )
 
     async def _pause_replicas(self, mode: str) -> None:
