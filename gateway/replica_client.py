@@ -76,6 +76,20 @@ def parse_chunk(payload: dict[str, Any]) -> ReplicaChunk | None:
     )
 
 
+async def _sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body, as bytes (orjson parses bytes; decoding every line
+    to text first, as `aiter_lines` does, is a measurable share of a call)."""
+    buffer = b""
+    async for piece in resp.aiter_bytes():
+        buffer += piece
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if buffer.startswith(b"data:"):
+        yield buffer[5:].strip()
+
+
 class ReplicaClient:
     def __init__(self, url: str, http: httpx.AsyncClient) -> None:
         self.url = url.rstrip("/")
@@ -104,12 +118,12 @@ class ReplicaClient:
                     raise _replica_error(
                         resp.status_code, (await resp.aread()).decode(errors="replace")
                     )
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                async for data in _sse_data(resp):
+                    if data == b"[DONE]":
+                        # Read on to the end of the body rather than stop here: a response
+                        # closed before its last (empty) chunk cannot go back to the pool, and a
+                        # new connection per call costs more than the rest of the call.
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
                     chunk = parse_chunk(orjson.loads(data))
                     if chunk is None:
                         continue
