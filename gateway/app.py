@@ -58,7 +58,7 @@ from lockgate.gateway.schema import (
     Usage,
 )
 from lockgate.gateway.store import SessionRow, TrajectoryStore
-from lockgate.gateway.streaming import DeltaTracker
+from lockgate.gateway.streaming import DeltaTracker, bursts
 from lockgate.gateway.sync import SyncController
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,10 @@ class Gateway:
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
         self._next_index: dict[str, int] = {}
+        # The latest recorded call of each open session, as the renderer's bridge needs it:
+        # read from the store only on a session's first call since start, dropped when the
+        # session finishes (so memory is bounded by open sessions, not by calls).
+        self._last_turn: dict[str, tuple[int, PreviousTurn]] = {}
 
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
@@ -117,6 +121,7 @@ class Gateway:
         await self.pool.stop()
         if self._own_http:
             await self.http.aclose()
+        await self.store.flush()
         self.store.close()
 
     def _remember(self, row: SessionRow) -> None:
@@ -162,6 +167,7 @@ class Gateway:
         await self.store.finish_session(session_id, body.status, body.reward, body.error)
         row.status = body.status
         self.pool.forget_session(session_id)
+        self._last_turn.pop(session_id, None)
 
     def _require(self, session_id: str) -> SessionRow:
         row = self._sessions.get(session_id)
@@ -203,10 +209,8 @@ class Gateway:
         req = _validate(ChatCompletionRequest, raw)
         _refuse_unsupported(req)
 
-        previous = await self.store.last_call(session.id)
-        prompt = self.renderer.render_prompt(
-            req.messages, req.tools, _previous_turn(previous) if previous else None
-        )
+        previous = await self._last_turn_of(session.id)
+        prompt = self.renderer.render_prompt(req.messages, req.tools, previous)
         room = self.config.max_model_len - len(prompt.prompt_ids)
         if room < 1:
             raise bad_request(
@@ -216,10 +220,8 @@ class Gateway:
                 code="context_length_exceeded",
             )
         sampling = self._sampling(req, room)
-        index = self._next_index.get(session.id)
-        if index is None:
-            index = previous.index + 1 if previous else 0
         # Reserved now, so that two concurrent calls of one session never share an index.
+        index = self._next_index[session.id]
         self._next_index[session.id] = index + 1
         generator = CallGenerator(
             self.gate,
@@ -230,6 +232,28 @@ class Gateway:
             partial_rollout=self.config.partial_rollout,
         )
         return _PreparedCall(session, raw, req, prompt, index, sampling, generator, time.time())
+
+    async def _last_turn_of(self, session_id: str) -> PreviousTurn | None:
+        if session_id not in self._next_index:
+            # First call of this session since the gateway started: the store knows the rest.
+            last = await self.store.last_call(session_id)
+            if session_id not in self._next_index:  # a concurrent first call may have been first
+                self._next_index[session_id] = last.index + 1 if last else 0
+                if last is not None:
+                    self._last_turn[session_id] = (last.index, _previous_turn(last))
+        entry = self._last_turn.get(session_id)
+        return entry[1] if entry else None
+
+    async def _add_record(self, call: _PreparedCall, finish_reason: str) -> None:
+        """Write the call's record durably, then make it the session's last turn."""
+        record = self._record_of(call, finish_reason)
+        await self.store.add_call(record)
+        last = self._last_turn.get(call.session.id)
+        if call.session.status == "open" and (last is None or last[0] < call.index):
+            self._last_turn[call.session.id] = (
+                call.index,
+                _turn(call.req, record.prompt_ids, record.completion_ids),
+            )
 
     def _record_of(self, call: _PreparedCall, finish_reason: str) -> CallRecord:
         s = call.generator.sampled
@@ -253,13 +277,13 @@ class Gateway:
     async def _record(self, call: _PreparedCall) -> None:
         finish = call.generator.sampled.finish_reason
         assert finish is not None
-        await self.store.add_call(self._record_of(call, finish))
+        await self._add_record(call, finish)
 
     async def _record_unfinished(self, call: _PreparedCall) -> None:
         """A call that failed after generating something: its tokens are kept, marked
         `interrupted` (never trained on: the agent did not receive them)."""
         if call.generator.sampled.token_ids:
-            await self.store.add_call(self._record_of(call, "interrupted"))
+            await self._add_record(call, "interrupted")
 
     def _finish_reason(self, call: _PreparedCall, has_tool_calls: bool) -> str:
         finish = call.generator.sampled.finish_reason or "stop"
@@ -344,19 +368,22 @@ class Gateway:
             sent_logprobs = len(s.token_ids)
             return {"logprobs": lp.model_dump(mode="json")}
 
+        def progress() -> bytes | None:
+            """The event for what the tokens received so far add, if anything."""
+            d = tracker.update(s.token_ids)
+            extra = logprobs_extra()
+            return event(deltas(d.content, d.reasoning), **extra) if d or extra else None
+
         try:
             yield event({"role": "assistant", "content": ""})
             if primed:
-                pending = True
-                while pending:
-                    d = tracker.update(s.token_ids)
-                    extra = logprobs_extra()
-                    if d or extra:
-                        yield event(deltas(d.content, d.reasoning), **extra)
-                    pending = await anext(chunks, None) is not None
-            parsed = self.renderer.parse_completion(
-                s.token_ids, call.prompt.prompt_ids, call.req.tools
-            )
+                if update := progress():
+                    yield update
+                async with contextlib.aclosing(bursts(chunks)) as arrivals:
+                    async for _ in arrivals:
+                        if update := progress():
+                            yield update
+            parsed = tracker.final(s.token_ids)
             await self._record(call)
         except GatewayError as exc:
             await chunks.aclose()
@@ -468,11 +495,17 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
 
 def _previous_turn(call: CallRecord) -> PreviousTurn:
     req = ChatCompletionRequest.model_validate(call.request)
+    return _turn(req, call.prompt_ids, call.completion_ids)
+
+
+def _turn(
+    req: ChatCompletionRequest, prompt_ids: list[int], completion_ids: list[int]
+) -> PreviousTurn:
     return PreviousTurn(
         messages=[m.model_dump(exclude_none=True) for m in req.messages],
         tools=None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools],
-        prompt_ids=call.prompt_ids,
-        completion_ids=call.completion_ids,
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
     )
 
 
