@@ -34,6 +34,7 @@ from lockgate.gateway.errors import (
     unauthorized,
 )
 from lockgate.gateway.generation import CallGenerator
+from lockgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
 from lockgate.gateway.rendering import ChatRenderer, PreviousTurn, RenderedPrompt
@@ -104,6 +105,7 @@ class Gateway:
         # read from the store only on a session's first call since start, dropped when the
         # session finishes (so memory is bounded by open sessions, not by calls).
         self._last_turn: dict[str, tuple[int, PreviousTurn]] = {}
+        self.metrics = GatewayMetrics(self.status)
 
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
@@ -248,6 +250,15 @@ class Gateway:
         """Write the call's record durably, then make it the session's last turn."""
         record = self._record_of(call, finish_reason)
         await self.store.add_call(record)
+        s = call.generator.sampled
+        self.metrics.call(
+            prompt_tokens=len(record.prompt_ids),
+            completion_tokens=len(record.completion_ids),
+            finish_reason=finish_reason,
+            rerender_split=call.index > 0 and not record.extends_previous,
+            interruptions=s.interruptions,
+            failovers=s.failovers,
+        )
         last = self._last_turn.get(call.session.id)
         if call.session.status == "open" and (last is None or last[0] < call.index):
             self._last_turn[call.session.id] = (
@@ -386,6 +397,7 @@ class Gateway:
             parsed = tracker.final(s.token_ids)
             await self._record(call)
         except GatewayError as exc:
+            self.metrics.error(exc)
             await chunks.aclose()
             await self._record_unfinished(call)
             yield b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
@@ -522,21 +534,26 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
 
     app = FastAPI(title="lockgate gateway", lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
+        gateway.metrics.error(exc)
         return _json(exc.body(), exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _json(bad_request(f"{where}: {first['msg']}", param=where or None).body(), 400)
+        err = bad_request(f"{where}: {first['msg']}", param=where or None)
+        gateway.metrics.error(err)
+        return _json(err.body(), 400)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> Response:
         log.exception("internal error")
         err = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        gateway.metrics.error(err)
         return _json(err.body(), 500)
 
     def require_admin(request: Request) -> None:
@@ -591,6 +608,10 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     @app.get("/health")
     async def health() -> Response:
         return _json({"status": "ok", "state": gateway.gate.state, "version": gateway.gate.version})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
 
     # -- admin API ------------------------------------------------------------------------------
 
