@@ -12,10 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_gateway_edges import ADMIN, FakeReplica, sse_chunks
-
-from lockgate.gateway.app import create_app
-from lockgate.gateway.config import GatewayConfig
+from test_gateway_edges import ADMIN, FakeReplica, serve_gateway, sse_chunks
 
 CHAT_ROUTE = "/sessions/{session_id}/v1/chat/completions"
 UP_A, UP_B = "http://replica-a:8000", "http://replica-b:8000"
@@ -59,28 +56,11 @@ async def rig(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Rig]:
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
     replicas = {UP_A: FakeReplica(completion=completion), UP_B: FakeReplica(completion=completion)}
-
-    def route(request: httpx.Request) -> httpx.Response:
-        return replicas[f"http://{request.url.host}:{request.url.port}"].handler(request)
-
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(route))
-    config = GatewayConfig(
-        model_dir=tiny_model_dir,
-        replicas=[UP_A, UP_B],
-        db_path=tmp_path / "store.sqlite",
-        admin_token=ADMIN,
-        max_model_len=256,
-        max_pause_wait_s=5.0,
-    )
-    app = create_app(config, http=upstream)
-    gateway = app.state.gateway
-    await gateway.start()
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://gw"
-    ) as client:
+    async with serve_gateway(tiny_model_dir, tmp_path, replicas, max_pause_wait_s=5.0) as (
+        client,
+        _,
+    ):
         yield Rig(client, replicas)
-    await gateway.close()
-    await upstream.aclose()
 
 
 async def _streamed(resp: httpx.Response) -> str:
