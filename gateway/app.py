@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import (
     GatewayError,
@@ -94,7 +95,7 @@ class Gateway:
         self.store = TrajectoryStore(config.db_path)
         self.renderer = ChatRenderer(config.model_dir, config.renderer)
         self._own_http = http is None
-        self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1024))
+        self.http = http or httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024))
         self.pool = ReplicaPool(config.replicas, self.http, version=config.initial_version)
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
         self.sync = SyncController(self.gate, self.pool)
