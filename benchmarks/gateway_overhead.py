@@ -104,7 +104,7 @@ class Rig:
                 r.raise_for_status()
 
 
-def _wait_until_up(port: int, timeout_s: float = 60.0) -> None:
+def _wait_until_up(port: int, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -188,6 +188,12 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
             proc.wait(timeout=30)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -201,11 +207,16 @@ class Point:
     p50_ms: float
     p99_ms: float
     errors: int
+    cpu_ms: float = float("nan")  # gateway CPU per request (gateway runs only)
 
     @classmethod
-    def of(cls, r: LoadResult) -> Point:
+    def of(cls, r: LoadResult, cpu_s: float = float("nan")) -> Point:
         return cls(
-            r.rps, percentile(r.latencies, 0.5) * 1e3, percentile(r.latencies, 0.99) * 1e3, r.errors
+            r.rps,
+            percentile(r.latencies, 0.5) * 1e3,
+            percentile(r.latencies, 0.99) * 1e3,
+            r.errors,
+            cpu_s / max(r.completed, 1) * 1e3,
         )
 
     @classmethod
@@ -215,6 +226,7 @@ class Point:
             statistics.median(p.p50_ms for p in points),
             statistics.median(p.p99_ms for p in points),
             sum(p.errors for p in points),
+            statistics.median(p.cpu_ms for p in points),
         )
 
 
@@ -222,9 +234,9 @@ async def overhead(args: argparse.Namespace, r: Rig) -> None:
     sessions = await r.sessions(max(args.concurrency))
     print(
         "| mode | c | direct req/s | gateway req/s | direct p50 ms | gateway p50 ms "
-        "| added p50 ms | added p99 ms | errors |"
+        "| added p50 ms | added p99 ms | gateway CPU ms/req | CPU-bound req/s | errors |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for stream in (False, True):
         for c in args.concurrency:
             direct, through = [], []
@@ -241,23 +253,22 @@ async def overhead(args: argparse.Namespace, r: Rig) -> None:
                         )
                     )
                 )
-                through.append(
-                    Point.of(
-                        await run_load(
-                            HOST,
-                            r.gateway_port,
-                            lambda i, s=stream: r.chat_request(sessions[i], s),
-                            concurrency=c,
-                            duration_s=args.duration,
-                            warmup_s=args.warmup,
-                        )
-                    )
+                cpu_before = _cpu_s(r.gateway_pid)
+                res = await run_load(
+                    HOST,
+                    r.gateway_port,
+                    lambda i, s=stream: r.chat_request(sessions[i], s),
+                    concurrency=c,
+                    duration_s=args.duration,
+                    warmup_s=args.warmup,
                 )
+                through.append(Point.of(res, _cpu_s(r.gateway_pid) - cpu_before))
             d, g = Point.median(direct), Point.median(through)
             print(
                 f"| {'stream' if stream else 'json'} | {c} | {d.rps:.0f} | {g.rps:.0f} "
                 f"| {d.p50_ms:.2f} | {g.p50_ms:.2f} | {g.p50_ms - d.p50_ms:+.2f} "
-                f"| {g.p99_ms - d.p99_ms:+.2f} | {d.errors + g.errors} |",
+                f"| {g.p99_ms - d.p99_ms:+.2f} | {g.cpu_ms:.2f} | {1e3 / g.cpu_ms:.0f} "
+                f"| {d.errors + g.errors} |",
                 flush=True,
             )
 

@@ -23,6 +23,7 @@ class LoadResult:
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
     window_s: float = 0.0
+    completed: int = 0  # every request that ended, warm-up included
 
     @property
     def rps(self) -> float:
@@ -97,6 +98,7 @@ async def run_load(
                     return
                 status = await client.request(raw)
                 t1 = time.perf_counter()
+                result.completed += 1
                 if t0 >= measure_from and t1 <= stop_at:
                     if status == 200:
                         result.latencies.append(t1 - t0)
