@@ -7,6 +7,7 @@ so the gateway owns rendering and the replica never re-tokenizes. Admin endpoint
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from lockgate.gateway.errors import GatewayError
 # Generation may legitimately run for minutes; admin calls must not hang a sync.
 _ADMIN_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 _GENERATE_TIMEOUT = httpx.Timeout(None, connect=5.0)
+_JSON_HEADERS = {"content-type": "application/json"}
 
 
 class ReplicaUnavailable(Exception):
@@ -94,6 +96,7 @@ class ReplicaClient:
     def __init__(self, url: str, http: httpx.AsyncClient) -> None:
         self.url = url.rstrip("/")
         self._http = http
+        self._generate_url = httpx.URL(f"{self.url}/inference/v1/generate")
 
     async def generate_stream(
         self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str
@@ -106,11 +109,18 @@ class ReplicaClient:
             "request_id": request_id,
             "stream": True,
         }
+        # Built by hand from a URL parsed once: `AsyncClient.stream` would re-parse and merge
+        # the URL and encode the JSON with the stdlib on every call of the hot path.
+        request = httpx.Request(
+            "POST",
+            self._generate_url,
+            content=orjson.dumps(body),
+            headers=_JSON_HEADERS,
+            extensions={"timeout": _GENERATE_TIMEOUT.as_dict()},
+        )
         finished = False
         try:
-            async with self._http.stream(
-                "POST", f"{self.url}/inference/v1/generate", json=body, timeout=_GENERATE_TIMEOUT
-            ) as resp:
+            async with contextlib.aclosing(await self._http.send(request, stream=True)) as resp:
                 if resp.status_code >= 500:
                     text = (await resp.aread()).decode(errors="replace")
                     raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status_code}: {text[:300]}")
