@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -275,8 +276,11 @@ async def overhead(args: argparse.Namespace, r: Rig) -> None:
 
 async def soak(args: argparse.Namespace, r: Rig) -> None:
     c = args.soak_concurrency
-    print("| calls | window req/s | p50 ms | p99 ms | gateway RSS MiB | store MiB | errors |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| calls | window req/s | p50 ms | p99 ms | gateway CPU ms/call | gateway RSS MiB "
+        "| store MiB | errors |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     done = 0
     previous: list[str] = []
     while done < args.soak:
@@ -284,6 +288,7 @@ async def soak(args: argparse.Namespace, r: Rig) -> None:
         if previous:
             await r.finish(previous)
         n = min(args.soak_window, args.soak - done)
+        cpu_before = _cpu_s(r.gateway_pid)
         res = await run_load(
             HOST,
             r.gateway_port,
@@ -294,10 +299,10 @@ async def soak(args: argparse.Namespace, r: Rig) -> None:
             max_requests=n,
         )
         done += n
-        p = Point.of(res)
+        p = Point.of(res, _cpu_s(r.gateway_pid) - cpu_before)
         store = sum(f.stat().st_size for f in r.db_path.parent.glob(r.db_path.name + "*"))
         print(
-            f"| {done} | {p.rps:.0f} | {p.p50_ms:.2f} | {p.p99_ms:.2f} "
+            f"| {done} | {p.rps:.0f} | {p.p50_ms:.2f} | {p.p99_ms:.2f} | {p.cpu_ms:.2f} "
             f"| {_rss_mib(r.gateway_pid):.0f} | {store / 2**20:.0f} | {p.errors} |",
             flush=True,
         )
@@ -316,6 +321,8 @@ def main() -> None:
     parser.set_defaults(concurrency=[1, 16, 64])
     args = parser.parse_args()
 
+    # A terminated benchmark still stops the gateway and upstream it started (rig's finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs at least 2 CPUs: one for the gateway, one for the rest")
