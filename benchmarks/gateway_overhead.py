@@ -5,9 +5,9 @@ Method (see benchmarks/README.md for figures):
   answers every streamed `/inference/v1/generate` at once with a fixed completion, one SSE event
   per token. The gateway runs as its own process (`python -m lockgate.gateway`, uvicorn) with
   recording on: a real SQLite file in a temporary directory.
-- Processes are pinned with `os.sched_setaffinity`: the gateway gets the first CPU of this
-  process's affinity set to itself; the upstream and the load generator (this process) share
-  the others.
+- Processes are pinned with `os.sched_setaffinity` (every thread): the gateway gets the first
+  CPU of this process's affinity set to itself; the upstream and the load generator (this
+  process) share the others.
 - The load generator (`benchmarks/loadgen.py`) is closed-loop: `c` keep-alive connections each
   send their next request when the previous answer has fully arrived. "Direct" sends the
   generate request the gateway would send (same prompt ids, same sampling, streamed) to the
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +40,7 @@ import orjson
 import uvloop
 
 from benchmarks.loadgen import LoadResult, http_request, percentile, run_load
+from lockgate.coordinator.processes import free_port, spawn, terminate
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.rendering import ChatRenderer
 from lockgate.gateway.schema import ChatMessage
@@ -52,14 +51,10 @@ HOST = "127.0.0.1"
 COMPLETION_TEXT = "Hello! I am a small model. How can I help you today?"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _pinned(cores: set[int]) -> dict[str, object]:
-    return {"preexec_fn": lambda: os.sched_setaffinity(0, cores)}
+def _pin(pid: int, cores: set[int]) -> None:
+    """Pin every thread of a process (threads started later inherit it from their creator)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cores)
 
 
 @dataclass
@@ -124,7 +119,7 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
     tok = renderer.tokenizer
     completion = tok.encode(COMPLETION_TEXT, add_special_tokens=False)
     completion.append(tok.convert_tokens_to_ids("<|im_end|>"))
-    upstream_port, gateway_port = _free_port(), _free_port()
+    upstream_port, gateway_port = free_port(), free_port()
     config = GatewayConfig(
         model_dir=model_dir,
         replicas=[f"http://{HOST}:{upstream_port}"],
@@ -150,8 +145,8 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
             "stream": True,
         }
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    upstream = subprocess.Popen(
+    # spawn() ties each child to this process (it dies with it) and logs to a file.
+    upstream = spawn(
         [
             sys.executable,
             "-m",
@@ -161,10 +156,9 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
             "--completion",
             ",".join(map(str, completion)),
         ],
-        env=env,
-        **_pinned(other_cores),  # type: ignore[arg-type]
+        workdir / "upstream.log",
     )
-    gateway = subprocess.Popen(
+    gateway = spawn(
         [
             sys.executable,
             "-m",
@@ -174,19 +168,17 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
             "--port",
             str(gateway_port),
         ],
-        env=env,
-        stderr=(workdir / "gateway.log").open("w"),
-        **_pinned(gateway_cores),  # type: ignore[arg-type]
+        workdir / "gateway.log",
     )
     try:
         _wait_until_up(upstream_port)
         _wait_until_up(gateway_port)
+        _pin(upstream.pid, other_cores)
+        _pin(gateway.pid, gateway_cores)
         yield Rig(gateway_port, upstream_port, gateway.pid, config.db_path, direct_body)
     finally:
         for proc in (gateway, upstream):
-            proc.terminate()
-        for proc in (gateway, upstream):
-            proc.wait(timeout=30)
+            terminate(proc)
 
 
 def _cpu_s(pid: int) -> float:
@@ -242,18 +234,15 @@ async def overhead(args: argparse.Namespace, r: Rig) -> None:
         for c in args.concurrency:
             direct, through = [], []
             for _ in range(args.repeats):
-                direct.append(
-                    Point.of(
-                        await run_load(
-                            HOST,
-                            r.upstream_port,
-                            lambda _i: r.direct_request(),
-                            concurrency=c,
-                            duration_s=args.duration,
-                            warmup_s=args.warmup,
-                        )
-                    )
+                res = await run_load(
+                    HOST,
+                    r.upstream_port,
+                    lambda _i: r.direct_request(),
+                    concurrency=c,
+                    duration_s=args.duration,
+                    warmup_s=args.warmup,
                 )
+                direct.append(Point.of(res))
                 cpu_before = _cpu_s(r.gateway_pid)
                 res = await run_load(
                     HOST,
