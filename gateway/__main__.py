@@ -19,6 +19,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # httpx logs every request at INFO: one log line per upstream call, a real cost at load.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config = GatewayConfig.model_validate_json(args.config.read_text())
     uvicorn.run(
         create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False

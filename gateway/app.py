@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.completions import complete
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.constraints import tool_call_constraint
@@ -36,6 +37,7 @@ from lockgate.gateway.errors import (
     unauthorized,
 )
 from lockgate.gateway.generation import CallGenerator, Sampled
+from lockgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
 from lockgate.gateway.rendering import (
@@ -67,7 +69,7 @@ from lockgate.gateway.schema import (
 )
 from lockgate.gateway.stops import StopScanner, as_list, cut_at_stop
 from lockgate.gateway.store import SessionRow, TrajectoryStore
-from lockgate.gateway.streaming import DeltaTracker
+from lockgate.gateway.streaming import DeltaTracker, bursts
 from lockgate.gateway.sync import SyncController
 from lockgate.gateway.weights import DiskWeights
 
@@ -109,7 +111,7 @@ class Gateway:
         self.store = TrajectoryStore(config.db_path)
         self.renderer = ChatRenderer(config.model_dir, config.renderer)
         self._own_http = http is None
-        self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1024))
+        self.http = http or httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024))
         self.pool = ReplicaPool(config.replicas, self.http, version=config.initial_version)
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
         initial = config.initial_weights or (
@@ -121,6 +123,11 @@ class Gateway:
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
         self._next_index: dict[str, int] = {}
+        # The latest recorded call of each open session, as the renderer's bridge needs it:
+        # read from the store only on a session's first call since start, dropped when the
+        # session finishes (so memory is bounded by open sessions, not by calls).
+        self._last_turn: dict[str, tuple[int, PreviousTurn]] = {}
+        self.metrics = GatewayMetrics(self.status)
 
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
@@ -138,6 +145,7 @@ class Gateway:
         await self.pool.stop()
         if self._own_http:
             await self.http.aclose()
+        await self.store.flush()
         self.store.close()
 
     def _remember(self, row: SessionRow) -> None:
@@ -183,6 +191,7 @@ class Gateway:
         await self.store.finish_session(session_id, body.status, body.reward, body.error)
         row.status = body.status
         self.pool.forget_session(session_id)
+        self._last_turn.pop(session_id, None)
 
     def _require(self, session_id: str) -> SessionRow:
         row = self._sessions.get(session_id)
@@ -209,11 +218,15 @@ class Gateway:
         await self.record(call)
         return _json(self._response(call, parsed.message, parsed.has_tool_calls))
 
-    def _parse(self, call: _PreparedCall) -> ParsedCompletion:
-        """The answer in the sampled tokens; text from a stop string on is not part of it."""
-        parsed = self.renderer.parse_completion(
-            call.generator.sampled.token_ids, call.prompt.prompt_ids, call.req.tools
-        )
+    def _parse(
+        self, call: _PreparedCall, parsed: ParsedCompletion | None = None
+    ) -> ParsedCompletion:
+        """The answer in the sampled tokens (`parsed` if already parsed); text from a stop
+        string on is not part of it."""
+        if parsed is None:
+            parsed = self.renderer.parse_completion(
+                call.generator.sampled.token_ids, call.prompt.prompt_ids, call.req.tools
+            )
         stops = as_list(call.req.stop)
         if not stops or call.generator.sampled.finish_reason != "stop":
             return parsed
@@ -240,10 +253,8 @@ class Gateway:
         req = _validate(ChatCompletionRequest, raw)
         _refuse_unsupported(req)
 
-        previous = await self.store.last_call(session.id)
-        prompt = self.renderer.render_prompt(
-            req.messages, req.tools, _previous_turn(previous) if previous else None
-        )
+        previous = await self.last_turn_of(session.id)
+        prompt = self.renderer.render_prompt(req.messages, req.tools, previous)
         room = self.config.max_model_len - len(prompt.prompt_ids)
         if room < 1:
             raise bad_request(
@@ -263,7 +274,7 @@ class Gateway:
         )
         if constraint is not None:
             sampling["structured_outputs"] = constraint
-        call = self.new_call(session, raw, prompt, sampling, previous, req.stop)
+        call = self.new_call(session, raw, prompt, sampling, req.stop)
         return _PreparedCall(**call.__dict__, req=req)
 
     def new_call(
@@ -272,14 +283,12 @@ class Gateway:
         raw: dict[str, Any],
         prompt: RenderedPrompt,
         sampling: dict[str, Any],
-        previous: CallRecord | None,
         stop: str | list[str] | None = None,
     ) -> Call:
-        """Reserve the call's index in its session and make its generator."""
-        index = self._next_index.get(session.id)
-        if index is None:
-            index = previous.index + 1 if previous else 0
+        """Reserve the call's index in its session and make its generator (after
+        `last_turn_of`, which learns the session's next index)."""
         # Reserved now, so that two concurrent calls of one session never share an index.
+        index = self._next_index[session.id]
         self._next_index[session.id] = index + 1
         generator = CallGenerator(
             self.gate,
@@ -294,6 +303,39 @@ class Gateway:
 
     def _decode(self, ids: list[int]) -> str:
         return self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def last_turn_of(self, session_id: str) -> PreviousTurn | None:
+        if session_id not in self._next_index:
+            # First call of this session since the gateway started: the store knows the rest.
+            last = await self.store.last_call(session_id)
+            if session_id not in self._next_index:  # a concurrent first call may have been first
+                self._next_index[session_id] = last.index + 1 if last else 0
+                if last is not None:
+                    self._last_turn[session_id] = (last.index, _previous_turn(last))
+        entry = self._last_turn.get(session_id)
+        return entry[1] if entry else None
+
+    async def _add_record(self, call: Call, finish_reason: str) -> None:
+        """Write the call's record durably, then make it the session's last turn."""
+        record = self._record_of(call, finish_reason)
+        await self.store.add_call(record)
+        s = call.generator.sampled
+        self.metrics.call(
+            prompt_tokens=len(record.prompt_ids),
+            completion_tokens=len(record.completion_ids),
+            finish_reason=finish_reason,
+            rerender_split=call.index > 0 and not record.extends_previous,
+            interruptions=s.interruptions,
+            failovers=s.failovers,
+        )
+        last = self._last_turn.get(call.session.id)
+        if call.session.status == "open" and (last is None or last[0] < call.index):
+            turn = (
+                _turn(call.req, record.prompt_ids, record.completion_ids)
+                if isinstance(call, _PreparedCall)
+                else _raw_turn(record)
+            )
+            self._last_turn[call.session.id] = (call.index, turn)
 
     def _record_of(self, call: Call, finish_reason: str) -> CallRecord:
         s = call.generator.sampled
@@ -317,13 +359,13 @@ class Gateway:
     async def record(self, call: Call) -> None:
         finish = call.generator.sampled.finish_reason
         assert finish is not None
-        await self.store.add_call(self._record_of(call, finish))
+        await self._add_record(call, finish)
 
     async def record_unfinished(self, call: Call) -> None:
         """A call that failed after generating something: its tokens are kept, marked
         `interrupted` (never trained on: the agent did not receive them)."""
         if call.generator.sampled.token_ids:
-            await self.store.add_call(self._record_of(call, "interrupted"))
+            await self._add_record(call, "interrupted")
 
     def _finish_reason(self, call: _PreparedCall, has_tool_calls: bool) -> str:
         finish = call.generator.sampled.finish_reason or "stop"
@@ -422,19 +464,25 @@ class Gateway:
             sent_logprobs = len(s.token_ids)
             return {"logprobs": lp.model_dump(mode="json")}
 
+        def progress() -> bytes | None:
+            """The event for what the tokens received so far add, if anything."""
+            d = tracker.update(s.token_ids)
+            extra = logprobs_extra()
+            return event(deltas(d.content, d.reasoning), **extra) if d or extra else None
+
         try:
             yield event({"role": "assistant", "content": ""})
             if primed:
-                pending = True
-                while pending:
-                    d = tracker.update(s.token_ids)
-                    extra = logprobs_extra()
-                    if d or extra:
-                        yield event(deltas(d.content, d.reasoning), **extra)
-                    pending = await anext(chunks, None) is not None
-            parsed = self._parse(call)
+                if update := progress():
+                    yield update
+                async with contextlib.aclosing(bursts(chunks)) as arrivals:
+                    async for _ in arrivals:
+                        if update := progress():
+                            yield update
+            parsed = self._parse(call, tracker.final(s.token_ids))
             await self.record(call)
         except GatewayError as exc:
+            self.metrics.error(exc)
             await chunks.aclose()
             await self.record_unfinished(call)
             yield b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
@@ -547,12 +595,27 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
 
 
 def _previous_turn(call: CallRecord) -> PreviousTurn:
+    if "messages" not in call.request:
+        return _raw_turn(call)
     req = ChatCompletionRequest.model_validate(call.request)
+    return _turn(req, call.prompt_ids, call.completion_ids)
+
+
+def _raw_turn(call: CallRecord) -> PreviousTurn:
+    """A /v1/completions call: its tokens, but no chat a later chat call could continue."""
+    return PreviousTurn(
+        messages=None, tools=None, prompt_ids=call.prompt_ids, completion_ids=call.completion_ids
+    )
+
+
+def _turn(
+    req: ChatCompletionRequest, prompt_ids: list[int], completion_ids: list[int]
+) -> PreviousTurn:
     return PreviousTurn(
         messages=[m.model_dump(exclude_none=True) for m in req.messages],
         tools=None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools],
-        prompt_ids=call.prompt_ids,
-        completion_ids=call.completion_ids,
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
     )
 
 
@@ -569,21 +632,26 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
 
     app = FastAPI(title="lockgate gateway", lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
+        gateway.metrics.error(exc)
         return _json(exc.body(), exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _json(bad_request(f"{where}: {first['msg']}", param=where or None).body(), 400)
+        err = bad_request(f"{where}: {first['msg']}", param=where or None)
+        gateway.metrics.error(err)
+        return _json(err.body(), 400)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> Response:
         log.exception("internal error")
         err = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        gateway.metrics.error(err)
         return _json(err.body(), 500)
 
     def require_admin(request: Request) -> None:
@@ -646,6 +714,10 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     @app.get("/health")
     async def health() -> Response:
         return _json({"status": "ok", "state": gateway.gate.state, "version": gateway.gate.version})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
 
     # -- admin API ------------------------------------------------------------------------------
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lockgate.gateway.errors import bad_request, conflict
-from lockgate.gateway.rendering import RenderedPrompt
+from lockgate.gateway.rendering import PreviousTurn, RenderedPrompt
 from lockgate.gateway.schema import (
-    CallRecord,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -35,7 +34,7 @@ def _refuse_unsupported(req: CompletionRequest) -> None:
         raise bad_request("echo is not supported", param="echo")
 
 
-def _extends(prompt_ids: list[int], previous: CallRecord | None) -> bool:
+def _extends(prompt_ids: list[int], previous: PreviousTurn | None) -> bool:
     if previous is None:
         return False
     before = previous.prompt_ids + previous.completion_ids
@@ -67,10 +66,10 @@ async def complete(
             param="prompt",
             code="context_length_exceeded",
         )
-    previous = await gateway.store.last_call(session.id)
+    previous = await gateway.last_turn_of(session.id)
     prompt = RenderedPrompt(prompt_ids=prompt_ids, extends_previous=_extends(prompt_ids, previous))
     sampling = gateway.sampling_for(req, room)
-    call = gateway.new_call(session, raw, prompt, sampling, previous, req.stop)
+    call = gateway.new_call(session, raw, prompt, sampling, req.stop)
     await gateway.generate(call)
     await gateway.record(call)
     return _response(gateway, call, req).model_dump(mode="json", exclude_none=True)

@@ -24,7 +24,8 @@ from lockgate.gateway.schema import AssistantMessage, ChatMessage, FunctionCall,
 class PreviousTurn:
     """What the bridge needs from the session's previous call."""
 
-    messages: list[dict[str, Any]]  # the previous request's messages, as dumped
+    messages: list[dict[str, Any]] | None  # the previous request's messages, as dumped (None:
+    # a raw completion, which no chat call continues)
     tools: list[dict[str, Any]] | None
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -112,6 +113,8 @@ def _continuation(
     messages: list[ChatMessage], tools: list[ToolSpec] | None, previous: PreviousTurn
 ) -> list[ChatMessage] | None:
     """The messages after the previous call's reply, or None if this is not its continuation."""
+    if previous.messages is None:
+        return None
     dumped_tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
     if dumped_tools != previous.tools:
         return None

@@ -5,6 +5,13 @@ concurrent writers and the event loop never blocks on disk. A call's record is c
 the gateway answers the agent (WAL mode, `synchronous=NORMAL`: durable across a crash of the
 gateway process; `synchronous=FULL` would also survive power loss at a latency cost).
 
+Calls are group-committed: the records of calls that end while a commit is running are written
+together in the next transaction, and each `add_call` returns only once the transaction holding
+its record has committed. Nothing waits on purpose to fill a batch, so a lone call pays one
+commit, and under load a call waits at most for the commit in progress plus its own (the
+window is bounded by two commits; a batch holds at most `MAX_BATCH` records). Nothing of a call
+stays in memory once it is written.
+
 Token ids and logprobs are stored as packed arrays (int32 / float64), not JSON: they are the bulk
 of every row, and float64 keeps vLLM's logprobs bit-exact.
 """
@@ -24,6 +31,9 @@ from typing import Any, TypeVar
 from lockgate.gateway.schema import CallRecord, SessionInfo, VersionSpan
 
 T = TypeVar("T")
+
+# Records per transaction at most: bounds how long one commit holds the store's thread.
+MAX_BATCH = 512
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -98,6 +108,9 @@ class TrajectoryStore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-store")
         self._conn: sqlite3.Connection | None = None
         self._executor.submit(self._open).result()
+        # Calls waiting for the next group commit, and the task writing them (None when idle).
+        self._pending: list[tuple[CallRecord, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
 
     def _open(self) -> None:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -114,6 +127,11 @@ class TrajectoryStore:
     def _with_conn(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         assert self._conn is not None
         return fn(self._conn)
+
+    async def flush(self) -> None:
+        """Wait until every call handed to `add_call` so far is written."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
 
     def close(self) -> None:
         def _close() -> None:
@@ -197,41 +215,37 @@ class TrajectoryStore:
     # -- calls ----------------------------------------------------------------------------------
 
     async def add_call(self, call: CallRecord) -> None:
-        """Insert a call and bump the session's counters in one transaction."""
+        """Record a call and bump its session's counters; returns once that is committed."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((call, done))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_pending(), name="store-group-commit")
+        # Shielded: an agent that hangs up does not cancel the write of its call.
+        await asyncio.shield(done)
 
-        def _insert(conn: sqlite3.Connection) -> None:
-            conn.execute("BEGIN")
+    async def _write_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
             try:
-                conn.execute(
-                    "INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        call.session_id,
-                        call.index,
-                        json.dumps(call.request),
-                        json.dumps(call.sampling),
-                        _pack_ints(call.prompt_ids),
-                        _pack_ints(call.completion_ids),
-                        _pack_floats(call.logprobs),
-                        json.dumps([s.model_dump() for s in call.versions]),
-                        call.finish_reason,
-                        call.replica,
-                        call.started_at,
-                        call.ended_at,
-                        call.interruptions,
-                        int(call.extends_previous),
-                    ),
+                errors = await self._run(
+                    lambda conn, b=batch: _insert_calls(conn, [c for c, _ in b])
                 )
-                conn.execute(
-                    "UPDATE sessions SET num_calls = num_calls + 1,"
-                    " rerender_splits = rerender_splits + ? WHERE id = ?",
-                    (0 if call.extends_previous or call.index == 0 else 1, call.session_id),
-                )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
+            except asyncio.CancelledError:
+                # The gateway is shutting down: no waiter is left hanging.
+                for _, done in batch + self._pending:
+                    done.cancel()
+                self._pending = []
                 raise
-
-        await self._run(_insert)
+            except Exception as exc:
+                # Never lose a failure: every waiter of the batch gets it; later batches still run.
+                errors = [exc] * len(batch)
+            for (_, done), error in zip(batch, errors, strict=True):
+                if done.done():
+                    continue
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
 
     async def get_calls(self, session_id: str) -> list[CallRecord]:
         def _select(conn: sqlite3.Connection) -> list[CallRecord]:
@@ -250,6 +264,63 @@ class TrajectoryStore:
             return None if row is None else _call_from_row(row)
 
         return await self._run(_select)
+
+
+def _call_row(call: CallRecord) -> tuple[Any, ...]:
+    return (
+        call.session_id,
+        call.index,
+        json.dumps(call.request),
+        json.dumps(call.sampling),
+        _pack_ints(call.prompt_ids),
+        _pack_ints(call.completion_ids),
+        _pack_floats(call.logprobs),
+        json.dumps([s.model_dump() for s in call.versions]),
+        call.finish_reason,
+        call.replica,
+        call.started_at,
+        call.ended_at,
+        call.interruptions,
+        int(call.extends_previous),
+    )
+
+
+def _write_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> None:
+    """Insert calls and bump their sessions' counters in one transaction."""
+    conn.execute("BEGIN")
+    try:
+        conn.executemany(
+            "INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [_call_row(c) for c in calls],
+        )
+        conn.executemany(
+            "UPDATE sessions SET num_calls = num_calls + 1,"
+            " rerender_splits = rerender_splits + ? WHERE id = ?",
+            [(0 if c.extends_previous or c.index == 0 else 1, c.session_id) for c in calls],
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _insert_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> list[Exception | None]:
+    """One transaction for the batch; if it fails, each call alone, so that one bad record
+    (a duplicate index, say) fails only its own call. Returns each call's error, if any."""
+    try:
+        _write_calls(conn, calls)
+        return [None] * len(calls)
+    except Exception:
+        if len(calls) == 1:
+            raise
+    errors: list[Exception | None] = []
+    for call in calls:
+        try:
+            _write_calls(conn, [call])
+            errors.append(None)
+        except Exception as exc:
+            errors.append(exc)
+    return errors
 
 
 def _call_from_row(row: tuple[Any, ...]) -> CallRecord:

@@ -1,7 +1,12 @@
 """Streamed answers: content and reasoning deltas from a growing list of completion ids.
 
 The parser that gives the final message also gives the deltas: each update re-parses all ids
-received so far and forwards only what extends what was already sent. Text that the final parse
+received so far and forwards only what extends what was already sent. Re-parsing is O(n) per
+update, so updates are made per *burst* of upstream chunks, not per chunk (`bursts`): when the
+gateway keeps up, every chunk is its own burst and goes out at once; when it falls behind, the
+chunks that queued up meanwhile cost one parse, not one each, so the work per call stays bounded
+by the gateway's own pace instead of growing with the square of the completion length. The last
+update's parse is the final message when no tool call was held back (`DeltaTracker.final`). Text that the final parse
 could still change is held back: trailing whitespace (the parser strips it), an incomplete UTF-8
 character at the end, and anything from a tool-call opener on (tool calls go out whole, with the
 finish). So the concatenated deltas are the non-streamed content, token for token.
@@ -9,11 +14,13 @@ finish). So the concatenated deltas are the non-streamed content, token for toke
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from lockgate.gateway.rendering import ChatRenderer
+from lockgate.gateway.rendering import ChatRenderer, ParsedCompletion
 from lockgate.gateway.schema import AssistantMessage, ToolSpec
 from lockgate.gateway.stops import cut_at_stop
 
@@ -48,12 +55,17 @@ class DeltaTracker:
         self._stops = [x for x in stops if x]
         self.sent_content = ""
         self.sent_reasoning = ""
+        # The last parse of the whole completion so far (no tool call held back), by length.
+        self._parsed: tuple[int, ParsedCompletion] | None = None
 
     def update(self, completion_ids: Sequence[int]) -> Delta:
         ids = list(completion_ids)
+        whole = True
         if self._stop_at is not None and self._stop_at in ids:
-            ids = ids[: ids.index(self._stop_at)]
-        message = self._renderer.parse_completion(ids, self._prompt_ids, self._tools).message
+            ids, whole = ids[: ids.index(self._stop_at)], False
+        parsed = self._renderer.parse_completion(ids, self._prompt_ids, self._tools)
+        self._parsed = (len(ids), parsed) if whole else None
+        message = parsed.message
         return self._advance(
             self._before_stop(_stable(message.content or "")),
             self._before_stop(_stable(message.reasoning_content or "")),
@@ -72,6 +84,13 @@ class DeltaTracker:
         )
         return text[: len(text) - hold]
 
+    def final(self, completion_ids: Sequence[int]) -> ParsedCompletion:
+        """The parse of the finished completion; the last update's when it parsed all of it
+        (the ids only ever grow, so the same length is the same ids)."""
+        if self._parsed is not None and self._parsed[0] == len(completion_ids):
+            return self._parsed[1]
+        return self._renderer.parse_completion(list(completion_ids), self._prompt_ids, self._tools)
+
     def finish(self, message: AssistantMessage) -> Delta:
         """The rest of the final message (whatever was held back)."""
         return self._advance(message.content or "", message.reasoning_content or "")
@@ -89,3 +108,48 @@ class DeltaTracker:
         elif reasoning:
             log.warning("streamed reasoning diverged from the parse; holding the rest back")
         return delta
+
+
+async def bursts(chunks: AsyncIterator[int]) -> AsyncIterator[None]:
+    """Yield once per burst of `chunks`: after every chunk that arrived since the last yield.
+
+    The chunks are consumed by a task of their own, so the ones that arrive while the consumer
+    of this iterator is busy are taken together. An error of `chunks` is raised here; closing
+    this iterator cancels the task, which closes the upstream generation.
+    """
+    ready = asyncio.Event()
+    arrived = 0  # chunks since the last yield
+    ended = False
+    error: BaseException | None = None
+
+    async def pump() -> None:
+        nonlocal arrived, ended, error
+        try:
+            async for _ in chunks:
+                arrived += 1
+                ready.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the consumer, which raises it
+            error = exc
+        finally:
+            ended = True
+            ready.set()
+
+    task = asyncio.create_task(pump(), name="stream-bursts")
+    try:
+        while True:
+            await ready.wait()
+            ready.clear()
+            if arrived:
+                arrived = 0
+                yield
+            if error is not None:
+                raise error
+            if ended:
+                return
+    finally:
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -4,6 +4,7 @@ tests in test_gateway_vllm.py, never instead of them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -109,24 +110,43 @@ async def harness(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Harness
         tok.convert_tokens_to_ids("<|im_end|>")
     ]
     replica = FakeReplica(completion=completion)
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replica.handler))
-    config = GatewayConfig(
-        model_dir=tiny_model_dir,
-        replicas=[REPLICA],
-        db_path=tmp_path / "store.sqlite",
-        admin_token=ADMIN,
-        max_model_len=256,
-        max_pause_wait_s=2.0,
+    async with serve_gateway(
+        tiny_model_dir, tmp_path, {REPLICA: replica}, max_pause_wait_s=2.0
+    ) as (client, app):
+        yield Harness(client, replica, app)
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    model_dir: Path, tmp_path: Path, replicas: dict[str, FakeReplica], **config: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """A started gateway app over fake replicas (by base URL), and a client for it."""
+
+    def route(request: httpx.Request) -> httpx.Response:
+        return replicas[f"http://{request.url.host}:{request.url.port}"].handler(request)
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(route))
+    app = create_app(
+        GatewayConfig(
+            model_dir=model_dir,
+            replicas=list(replicas),
+            db_path=tmp_path / "store.sqlite",
+            admin_token=ADMIN,
+            max_model_len=256,
+            **config,
+        ),
+        http=upstream,
     )
-    app = create_app(config, http=upstream)
     gateway = app.state.gateway
     await gateway.start()
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://gw"
-    ) as client:
-        yield Harness(client, replica, app)
-    await gateway.close()
-    await upstream.aclose()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gw"
+        ) as client:
+            yield client, app
+    finally:
+        await gateway.close()
+        await upstream.aclose()
 
 
 def _chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
