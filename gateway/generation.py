@@ -143,8 +143,6 @@ class CallGenerator:
                 segment.replica = replica.url
                 segment.constrained = self._constrained
                 segment.offset = len(s.token_ids)
-                if not s.replicas or s.replicas[-1] != replica.url:
-                    s.replicas.append(replica.url)
                 end, finish, labelled = None, None, None
                 start = len(s.token_ids)
                 async with contextlib.aclosing(self._segment(segment, replica, remaining)) as items:
@@ -153,6 +151,8 @@ class CallGenerator:
                             end = item
                             continue
                         if item.token_ids:
+                            if not s.replicas or s.replicas[-1] != replica.url:
+                                s.replicas.append(replica.url)  # replicas that made tokens
                             held = len(s.token_ids)
                             s.token_ids.extend(item.token_ids)
                             s.logprobs.extend(item.logprobs)
