@@ -318,6 +318,7 @@ class TrainingLoop:
             "reward/min": min(rewards),
             "reward/max": max(rewards),
             "batch/groups": len(groups),
+            "batch/rollouts": sum(len(g.rollouts) for g in groups),
             "batch/samples": len(samples),
             "batch/loss_tokens": sum(sum(s.loss_mask) for s in samples),
             "staleness/mean": sum(staleness) / max(len(staleness), 1),
