@@ -116,6 +116,24 @@ class LoopSection(BaseModel):
     def off_policy_bound(self) -> int:
         return self.max_staleness if self.max_off_policy is None else self.max_off_policy
 
+    @model_validator(mode="after")
+    def _bounds_leave_room_between_syncs(self) -> LoopSection:
+        # Between two syncs the replicas keep one version for sync_every steps: the gate must let
+        # that many steps of groups start on it, and the bound must accept what they generate,
+        # or the run waits forever (gate) or drops every rollout it makes (bound).
+        lag = self.sync_every - 1
+        if self.max_staleness < lag:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} with sync_every={self.sync_every} would stall "
+                f"the run: the gate needs max_staleness >= sync_every - 1 = {lag}"
+            )
+        if self.off_policy_bound < lag:
+            raise ValueError(
+                f"max_off_policy={self.max_off_policy} with sync_every={self.sync_every} would "
+                f"drop every rollout: it needs max_off_policy >= sync_every - 1 = {lag}"
+            )
+        return self
+
 
 class EnvironmentSection(BaseModel):
     """Either a Python environment file (`path`) or an agent command run per rollout."""

@@ -78,6 +78,14 @@ def test_the_off_policy_bound_defaults_to_the_dispatch_bound() -> None:
     assert LoopSection(max_staleness=2, max_off_policy=0).off_policy_bound == 0
 
 
+def test_bounds_that_cannot_cover_the_steps_between_syncs_are_config_errors() -> None:
+    LoopSection(sync_every=3, max_staleness=2)
+    with pytest.raises(ValueError, match="stall"):
+        LoopSection(sync_every=2, max_staleness=0)
+    with pytest.raises(ValueError, match="drop every rollout"):
+        LoopSection(sync_every=3, max_staleness=2, max_off_policy=1)
+
+
 def _trained_versions(run_dir: Path) -> dict[int, list[int]]:
     """Step -> the weight version of every completion token of the sessions it trained."""
     states = [LoopState.model_validate_json(line) for line in (run_dir / STATE_FILE).open()]
