@@ -14,12 +14,32 @@ import inspect
 import logging
 import time
 import traceback
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
 
 from lockgate.agent_runtime.types import Agent, RewardFn, RolloutContext, RolloutResult, Task
 from lockgate.gateway.client import GatewayClient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def _retry_once(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """Run a gateway admin call, once more on a fresh connection if the transport failed.
+
+    The gateway closes keep-alive connections that idle past its timeout; a rollout whose
+    agent spent seconds in a tool can reuse one just as it closes (httpx.ReadError). The POSTs
+    here are safe to repeat: finishing twice writes the same row, and a session created twice
+    leaves one unused open session, never trained.
+    """
+    try:
+        return await call()
+    except httpx.TransportError as exc:
+        log.warning("%s: %s; retrying once on a fresh connection", what, type(exc).__name__)
+        return await call()
 
 
 async def run_rollout(
@@ -32,7 +52,9 @@ async def run_rollout(
     timeout_s: float | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> RolloutResult:
-    created = await gateway.create_session(task.id, group_id, metadata)
+    created = await _retry_once(
+        "create_session", lambda: gateway.create_session(task.id, group_id, metadata)
+    )
     ctx = RolloutContext(
         session_id=created.session_id, base_url=created.base_url, api_key=created.api_key
     )
@@ -60,8 +82,11 @@ async def run_rollout(
         error = f"{type(exc).__name__}: {exc}"
         log.debug("rollout %s failed:\n%s", created.session_id, traceback.format_exc())
     failed = error is not None
-    info = await gateway.finish_session(
-        created.session_id, reward=None if failed else reward, failed=failed, error=error
+    info = await _retry_once(
+        "finish_session",
+        lambda: gateway.finish_session(
+            created.session_id, reward=None if failed else reward, failed=failed, error=error
+        ),
     )
     return RolloutResult(
         session_id=created.session_id,

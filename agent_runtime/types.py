@@ -34,7 +34,11 @@ RewardFn = Callable[[Task, Sequence[CallRecord]], Awaitable[float] | float]
 
 
 class Environment(Protocol):
-    """What a training run needs from a user's example: tasks, an agent and (maybe) a reward."""
+    """What a training run needs from a user's example: tasks, an agent and (maybe) a reward.
+
+    An environment may also define `val_tasks() -> Sequence[Task]`, a held-out set that
+    validation (`loop.val_every`) runs greedily; it is optional, so it is not part of the protocol.
+    """
 
     def train_tasks(self) -> Sequence[Task]: ...
 

@@ -36,7 +36,16 @@ def _parser() -> argparse.ArgumentParser:
         epilog="config options (YAML/TOML sections; override any with --set):\n"
         + "\n".join(describe_options()),
     )
-    train.add_argument("config", type=Path, help="run config file (.yaml, .yml or .toml)")
+    train.add_argument(
+        "config", type=Path, nargs="?", help="run config file (.yaml, .yml or .toml)"
+    )
+    train.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue a stopped or killed run from its newest trainer checkpoint (needs "
+        "trainer.checkpoint_every > 0); its config is RUN_DIR/config.json, --set still applies",
+    )
     train.add_argument(
         "--set",
         action="append",
@@ -82,21 +91,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args.run_dirs, args.out)
+    if (args.config is None) == (args.resume is None):
+        return _error("train takes a CONFIG file or --resume RUN_DIR (exactly one)")
+    config_path = args.config if args.resume is None else args.resume / "config.json"
     try:
-        config = load_config(args.config, args.set)
+        config = load_config(config_path, args.set)
     except FileNotFoundError as exc:
         return _error(f"config file not found: {exc.filename}")
     except ValidationError as exc:
         return _error(_validation_message(exc))
     except (ValueError, OSError) as exc:
-        return _error(f"{args.config}: {exc}")
+        return _error(f"{config_path}: {exc}")
+    if args.resume is not None:
+        config.run_dir = args.resume
     if args.run_dir is not None:
         config.run_dir = args.run_dir
 
     from lockgate.coordinator.launch import train  # heavy imports only when training
 
     try:
-        summary = train(config)
+        summary = train(config, resume=args.resume is not None)
     except KeyboardInterrupt:
         return _error("interrupted; all processes stopped")
     first, last = summary.first_last()

@@ -82,6 +82,13 @@ class LoopSection(BaseModel):
         ge=0,
         description="η: 0 is on-policy; 1 lets step k+1's rollouts run while k trains.",
     )
+    max_off_policy: int | None = Field(
+        default=None,
+        ge=0,
+        description="Drop (and count) rollouts holding a trained token more than this many "
+        "versions behind the trainer when their group is consumed. Unset: equal to "
+        "max_staleness, so the bound η also holds for groups that finish late.",
+    )
     sync_every: int = Field(default=1, ge=1, description="Weight sync after every this many steps.")
     min_group_size: int = Field(
         default=2, ge=1, description="Fewer usable rollouts drops the group."
@@ -95,6 +102,37 @@ class LoopSection(BaseModel):
         "dr_grpo (mean-centred; pair it with trainer.loss_agg=seq-mean-token-sum).",
     )
     rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
+    val_every: int = Field(
+        default=0,
+        ge=0,
+        description="Validate every this many steps (and once at the start) with greedy "
+        "rollouts of the environment's val_tasks(); 0 never does.",
+    )
+    val_concurrency: int = Field(
+        default=8, ge=1, description="Validation rollouts running at once."
+    )
+
+    @property
+    def off_policy_bound(self) -> int:
+        return self.max_staleness if self.max_off_policy is None else self.max_off_policy
+
+    @model_validator(mode="after")
+    def _bounds_leave_room_between_syncs(self) -> LoopSection:
+        # Between two syncs the replicas keep one version for sync_every steps: the gate must let
+        # that many steps of groups start on it, and the bound must accept what they generate,
+        # or the run waits forever (gate) or drops every rollout it makes (bound).
+        lag = self.sync_every - 1
+        if self.max_staleness < lag:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} with sync_every={self.sync_every} would stall "
+                f"the run: the gate needs max_staleness >= sync_every - 1 = {lag}"
+            )
+        if self.off_policy_bound < lag:
+            raise ValueError(
+                f"max_off_policy={self.max_off_policy} with sync_every={self.sync_every} would "
+                f"drop every rollout: it needs max_off_policy >= sync_every - 1 = {lag}"
+            )
+        return self
 
 
 class EnvironmentSection(BaseModel):

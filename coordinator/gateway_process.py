@@ -18,16 +18,19 @@ class GatewayStartError(RuntimeError):
 
 
 class GatewayProcess:
-    def __init__(self, config: GatewayConfig, run_dir: Path, port: int = 0) -> None:
+    def __init__(
+        self, config: GatewayConfig, run_dir: Path, port: int = 0, name: str = "gateway"
+    ) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.name = name  # names its config and log files: a run may have two gateways
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = run_dir / "logs" / "gateway.log"
+        self.log_path = run_dir / "logs" / f"{name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 60.0) -> None:
-        config_path = self.run_dir / "gateway_config.json"
+        config_path = self.run_dir / f"{self.name}_config.json"
         config_path.write_text(self.config.model_dump_json(indent=2))
         self._proc = spawn(
             [

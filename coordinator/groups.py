@@ -27,6 +27,7 @@ class Group:
     dispatch_version: int
     rollouts: list[Rollout]
     failures: dict[str, int] = field(default_factory=dict)
+    serial: int = 0  # its place in the dispatch order (see loop_state.py)
 
     @property
     def rewards(self) -> list[float]:

@@ -19,16 +19,20 @@ from types import FrameType
 from lockgate.agent_runtime import CommandEnvironment, Environment
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.gateway_process import GatewayProcess
-from lockgate.coordinator.loop import RunSummary, TrainingLoop
-from lockgate.coordinator.metrics import MetricsLog
+from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
+from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
+from lockgate.coordinator.metrics import MetricsLog, read_metrics
 from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.validation import val_tasks_of
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.tiny_model import ensure_tiny_model
 
 log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def _say(message: str) -> None:
@@ -69,7 +73,44 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def train(config: RunConfig) -> RunSummary:
+def _resume_point(
+    run_dir: Path, resumed_step: int, resume: bool
+) -> tuple[LoopState | None, list[float]]:
+    """The loop state to continue from and the rewards of the steps kept.
+
+    Records of steps after the trainer's checkpoint describe work that is redone: they are cut
+    off, so metrics.jsonl stays one record per step, contiguous. A fresh run starts both files
+    empty.
+    """
+    metrics_path, state_path = run_dir / METRICS_FILE, run_dir / STATE_FILE
+    if not resume or resumed_step == 0:
+        if resume:
+            _say("resume: the trainer found no checkpoint; starting from step 1")
+        truncate_steps(metrics_path, 0)
+        truncate_steps(state_path, 0)
+        return None, []
+    state = load_state(state_path, resumed_step)
+    truncate_steps(state_path, resumed_step)
+    truncate_steps(metrics_path, resumed_step)
+    rewards = [float(r["reward/mean"]) for r in read_metrics(metrics_path)]
+    _say(
+        f"resuming after step {resumed_step}: {len(state.pending)} group(s) pending at the "
+        f"checkpoint are dispatched again, then tasks from serial {state.next_serial}"
+    )
+    return state, rewards
+
+
+def _validation_gateway(training: GatewayConfig, run_dir: Path) -> GatewayProcess:
+    """A second gateway on the same replicas that samples greedily, for validation rollouts."""
+    greedy = training.sampling.model_copy(update={"mode": "override", "temperature": 0.0})
+    config = training.model_copy(
+        update={"db_path": run_dir / "val_trajectories.sqlite", "sampling": greedy}
+    )
+    return GatewayProcess(config, run_dir, name="val_gateway")
+
+
+def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
+    """Run `config`; with `resume`, continue the run in its run dir from its newest checkpoint."""
     run_dir = (config.run_dir or Path("runs") / config.name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
@@ -77,8 +118,14 @@ def train(config: RunConfig) -> RunSummary:
 
     model_dir = config.model.path or ensure_tiny_model()
     env = load_environment(config.environment, model_dir, run_dir / "logs" / "agents")
+    val_tasks = val_tasks_of(env) if config.loop.val_every else None
     trainer_config = TrainerConfig.model_validate(
-        {**config.trainer.model_dump(), "model_dir": model_dir, "seed": config.seed}
+        {
+            **config.trainer.model_dump(),
+            "model_dir": model_dir,
+            "seed": config.seed,
+            "resume": resume or config.trainer.resume,
+        }
     )
     admin_token = secrets.token_urlsafe(24)
 
@@ -99,20 +146,17 @@ def train(config: RunConfig) -> RunSummary:
             stack.callback(replicas.stop)
             replicas.start()
             urls = replicas.urls
-        gateway = GatewayProcess(
-            GatewayConfig(
-                model_dir=model_dir,
-                replicas=urls,
-                db_path=run_dir / "trajectories.sqlite",
-                admin_token=admin_token,
-                max_model_len=config.replicas.max_model_len,
-                sampling=config.gateway.sampling,
-                max_pause_wait_s=config.gateway.max_pause_wait_s,
-                partial_rollout=config.sync.partial_rollout,
-            ),
-            run_dir,
-            port=config.gateway.port,
+        gateway_config = GatewayConfig(
+            model_dir=model_dir,
+            replicas=urls,
+            db_path=run_dir / "trajectories.sqlite",
+            admin_token=admin_token,
+            max_model_len=config.replicas.max_model_len,
+            sampling=config.gateway.sampling,
+            max_pause_wait_s=config.gateway.max_pause_wait_s,
+            partial_rollout=config.sync.partial_rollout,
         )
+        gateway = GatewayProcess(gateway_config, run_dir, port=config.gateway.port)
         stack.callback(gateway.stop)
         gateway.start()
         _say(
@@ -123,10 +167,23 @@ def train(config: RunConfig) -> RunSummary:
         )
         stack.callback(trainer.stop)
         trainer.start()
+        state, rewards = _resume_point(run_dir, trainer.resumed_step(), trainer_config.resume)
+        val_gateway: GatewayProcess | None = None
+        if val_tasks is not None:
+            val_gateway = _validation_gateway(gateway_config, run_dir)
+            stack.callback(val_gateway.stop)
+            val_gateway.start()
 
         async def run_loop() -> RunSummary:
-            metrics = MetricsLog(run_dir / "metrics.jsonl", config.loop.steps)
-            async with GatewayClient(gateway.url, admin_token) as client:
+            metrics = MetricsLog(run_dir / METRICS_FILE, config.loop.steps)
+            async with contextlib.AsyncExitStack() as clients:
+                client = await clients.enter_async_context(GatewayClient(gateway.url, admin_token))
+                validation = None
+                if val_gateway is not None and val_tasks is not None:
+                    val_client = await clients.enter_async_context(
+                        GatewayClient(val_gateway.url, admin_token)
+                    )
+                    validation = Validation(val_client, val_tasks)
                 try:
                     loop = TrainingLoop(
                         config.loop,
@@ -136,6 +193,10 @@ def train(config: RunConfig) -> RunSummary:
                         metrics,
                         sync=config.sync,
                         seed=config.seed,
+                        state_path=run_dir / STATE_FILE,
+                        resume=state,
+                        validation=validation,
+                        previous_rewards=rewards,
                     )
                     return await loop.run()
                 finally:

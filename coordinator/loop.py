@@ -5,11 +5,21 @@ traceback instead of being lost in a done-callback:
 
 - the dispatcher starts a group whenever the staleness controller allows it;
 - each group runs n rollouts through agent_runtime, fetches their samples and queues the group;
-- the trainer side takes B groups per step, trains, and after every `sync_every` steps pauses
-  the gateway, loads the new weights on every replica and resumes at the new version.
+- the trainer side takes B groups per step (dropping rollouts past the max-off-policy bound),
+  trains, and after every `sync_every` steps pauses the gateway, loads the new weights on every
+  replica and resumes at the new version.
 
 Synchronous (η = 0), one-step-off (η = 1) and fully-async (η > 1) runs share this one step
 pipeline; only the gate differs.
+
+Validation (`val_every`): a round of greedy rollouts starts right after the sync of every
+`val_every`-th step (and at the start) and runs beside the training rollouts; the next sync
+waits for it, so training stalls only if a round outlasts a whole step. Its `val/*` metrics go
+on the first step record written after it ends.
+
+Resume: every step appends its `LoopState` (loop_state.py) before its batch goes to the
+trainer; a loop given the state of the trainer's checkpoint step syncs the replicas to that
+step's weights, dispatches the groups pending at that step again, and goes on from there.
 """
 
 from __future__ import annotations
@@ -19,16 +29,23 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
 from lockgate.coordinator.config import LoopSection, SyncSection
 from lockgate.coordinator.groups import Group, Rollout, drop_reason, group_to_train_samples
+from lockgate.coordinator.loop_state import LoopState, append_state
 from lockgate.coordinator.metrics import MetricsLog
-from lockgate.coordinator.staleness import StalenessController
+from lockgate.coordinator.staleness import (
+    StalenessController,
+    drop_stale_rollouts,
+    staleness_counts,
+)
 from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.validation import run_validation
 from lockgate.gateway.client import GatewayClient, GatewayClientError
 from lockgate.trainer.batch import StepResult, TrainBatch
 
@@ -54,6 +71,14 @@ class RunSummary:
         return sum(first) / len(first), sum(last) / len(last)
 
 
+@dataclass
+class Validation:
+    """What validation needs: the temperature-0 gateway and the held-out tasks."""
+
+    gateway: GatewayClient
+    tasks: Sequence[Task]
+
+
 class TrainingLoop:
     def __init__(
         self,
@@ -65,6 +90,10 @@ class TrainingLoop:
         *,
         sync: SyncSection | None = None,
         seed: int = 0,
+        state_path: Path | None = None,
+        resume: LoopState | None = None,
+        validation: Validation | None = None,
+        previous_rewards: Sequence[float] = (),
     ) -> None:
         self.config = config
         self.sync = sync or SyncSection()
@@ -74,7 +103,9 @@ class TrainingLoop:
         self.metrics = metrics
         self.version = 0
         self.controller = StalenessController(config.groups_per_step, config.max_staleness)
-        self._tasks = _task_cycle(env.train_tasks())
+        self._tasks = list(env.train_tasks())
+        if not self._tasks:
+            raise ValueError("the environment has no training tasks")
         self._ready: asyncio.Queue[Group] = asyncio.Queue()
         self._version_changed = asyncio.Condition()
         self._counters: Counter[str] = Counter()
@@ -83,41 +114,77 @@ class TrainingLoop:
         # (groups collected while the previous step trained count too).
         self._rate_mark = (time.monotonic(), 0)
         self._seed = seed
+        self._state_path = state_path
+        self._validation = validation
+        self._val_task: asyncio.Task[dict[str, float]] | None = None
+        self._val_reported = False
+        self._rewards = list(previous_rewards)
+        # The task cursor (loop_state.py): serials dispatched and not yet trained or dropped.
+        self._pending: set[int] = set()
+        self._dropped: list[int] = []
+        self._next_serial = 0
+        self._redispatch: list[int] = []
+        self._first_step = 1
+        self._resume = resume
+        if resume is not None:
+            self._first_step = resume.step + 1
+            self._next_serial = resume.next_serial
+            self._redispatch = sorted(resume.pending)
+            self._counters.update(resume.counters)
+            # Every group trained so far holds its slot; the pending ones take theirs again.
+            self.controller.groups_started = resume.step * config.groups_per_step
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
-        rewards: list[float] = []
+        if self._resume is not None:
+            await self._resync(self._resume.step)
         async with asyncio.TaskGroup() as tg:
+            if self._validation is not None and self._resume is None:
+                self._start_validation(tg)
             dispatcher = tg.create_task(self._dispatch(tg), name="dispatcher")
             try:
-                for step in range(1, self.config.steps + 1):
-                    rewards.append(await self._step(step))
+                for step in range(self._first_step, self.config.steps + 1):
+                    self._rewards.append(await self._step(step, tg))
             finally:
                 dispatcher.cancel()
+                if self._val_task is not None:
+                    self._val_task.cancel()
         return RunSummary(
-            steps=len(rewards),
-            rewards=rewards,
+            steps=len(self._rewards),
+            rewards=self._rewards,
             version=self.version,
             elapsed_s=time.monotonic() - started,
             counters=dict(self._counters),
         )
 
+    async def _resync(self, step: int) -> None:
+        """Bring fresh (or stale) replicas to the resumed step's weights before any dispatch."""
+        weights = self.trainer.snapshot_dir(step)
+        log.info("resume: syncing replicas to %s (version %d)", weights, step)
+        await self._sync(str(weights), step)
+
     # -- generation side ------------------------------------------------------------------------
+
+    def _serials(self) -> Iterator[int]:
+        yield from self._redispatch
+        yield from itertools.count(self._next_serial)
 
     async def _dispatch(self, tg: asyncio.TaskGroup) -> None:
         groups: set[asyncio.Task[None]] = set()
         try:
-            for serial in itertools.count():
+            for serial in self._serials():
                 async with self._version_changed:
                     await self._version_changed.wait_for(
                         lambda: self.controller.can_start(self.version)
                     )
                     self.controller.started()
                     dispatch_version = self.version
-                task = next(self._tasks)
+                    # The cursor moves only once the group is really started (loop_state.py).
+                    self._pending.add(serial)
+                    self._next_serial = max(self._next_serial, serial + 1)
+                task = self._tasks[serial % len(self._tasks)]
                 t = tg.create_task(
-                    self._run_group(task, f"g{serial}-{task.id}", dispatch_version),
-                    name=f"group-{serial}",
+                    self._run_group(serial, task, dispatch_version), name=f"group-{serial}"
                 )
                 groups.add(t)
                 t.add_done_callback(groups.discard)
@@ -127,7 +194,8 @@ class TrainingLoop:
                 t.cancel()
             raise
 
-    async def _run_group(self, task: Task, group_id: str, dispatch_version: int) -> None:
+    async def _run_group(self, serial: int, task: Task, dispatch_version: int) -> None:
+        group_id = f"g{serial}-{task.id}"
         results = await run_group(
             self.gateway,
             self.env.agent,
@@ -136,9 +204,10 @@ class TrainingLoop:
             group_id=group_id,
             reward_fn=self.env.reward,
             timeout_s=self.config.rollout_timeout_s,
-            metadata={"dispatch_version": dispatch_version},
+            metadata={"dispatch_version": dispatch_version, "serial": serial},
         )
         group = await self._collect(task, group_id, dispatch_version, results)
+        group.serial = serial
         reason = drop_reason(
             group,
             min_group_size=self.config.min_group_size,
@@ -146,11 +215,17 @@ class TrainingLoop:
         )
         if reason is not None:
             self._counters[f"groups_dropped/{reason}"] += 1
-            async with self._version_changed:
-                self.controller.cancelled()  # frees the slot so a replacement group starts
-                self._version_changed.notify_all()
+            await self._release(serial)
             return
         await self._ready.put(group)
+
+    async def _release(self, serial: int) -> None:
+        """A started group that yields nothing trainable frees its slot for a replacement."""
+        self._pending.discard(serial)
+        self._dropped.append(serial)
+        async with self._version_changed:
+            self.controller.cancelled()
+            self._version_changed.notify_all()
 
     async def _collect(
         self, task: Task, group_id: str, dispatch_version: int, results: Sequence[RolloutResult]
@@ -170,9 +245,45 @@ class TrainingLoop:
 
     # -- trainer side ---------------------------------------------------------------------------
 
-    async def _step(self, step: int) -> float:
+    async def _take_groups(self, step: int) -> list[Group]:
+        """B groups for `step`, in completion order, after the max-off-policy bound."""
+        groups: list[Group] = []
+        while len(groups) < self.config.groups_per_step:
+            group, stale = drop_stale_rollouts(
+                await self._ready.get(), step, self.config.off_policy_bound
+            )
+            if stale:
+                self._counters["rollouts_stale"] += stale
+                if drop_reason(
+                    group,
+                    min_group_size=self.config.min_group_size,
+                    drop_zero_variance=self.config.drop_zero_variance,
+                ):
+                    self._counters["groups_dropped/stale"] += 1
+                    await self._release(group.serial)
+                    continue
+            groups.append(group)
+        return groups
+
+    def _save_state(self, step: int, groups: Sequence[Group]) -> None:
+        trained = [g.serial for g in groups]
+        self._pending.difference_update(trained)
+        state = LoopState(
+            step=step,
+            version=self.version,
+            next_serial=self._next_serial,
+            pending=sorted(self._pending),
+            trained=trained,
+            dropped=sorted(self._dropped),
+            counters=dict(self._counters),
+        )
+        self._dropped.clear()
+        if self._state_path is not None:
+            append_state(self._state_path, state)
+
+    async def _step(self, step: int, tg: asyncio.TaskGroup) -> float:
         wait_started = time.monotonic()
-        groups = [await self._ready.get() for _ in range(self.config.groups_per_step)]
+        groups = await self._take_groups(step)
         wait_s = time.monotonic() - wait_started
 
         samples = [
@@ -180,14 +291,20 @@ class TrainingLoop:
             for g in groups
             for s in group_to_train_samples(g, estimator=self.config.advantage_estimator)
         ]
+        versions = [v for g in groups for v in g.token_versions()]
         # The trainer at step k starts from weights version k-1: staleness counts versions behind.
-        staleness = [(step - 1) - v for g in groups for v in g.token_versions()]
+        staleness = [(step - 1) - v for v in versions]
+        # Before the batch goes out: a trainer checkpoint of this step implies its state line.
+        self._save_state(step, groups)
         result: StepResult = await self.trainer.train_step(TrainBatch(step=step, samples=samples))
         train_s = result.metrics.get("step_time_s", 0.0)
 
         sync: dict[str, float] = {"time/sync_s": 0.0}
         if step % self.config.sync_every == 0:
             sync = await self._sync(result.weights_dir, step)
+            if self._validation is not None and step % self.config.val_every == 0:
+                if step < self.config.steps:
+                    self._start_validation(tg)
 
         rewards = [r for g in groups for r in g.rewards]
         reward_mean = sum(rewards) / len(rewards)
@@ -201,21 +318,60 @@ class TrainingLoop:
             "reward/min": min(rewards),
             "reward/max": max(rewards),
             "batch/groups": len(groups),
+            "batch/rollouts": sum(len(g.rollouts) for g in groups),
             "batch/samples": len(samples),
             "batch/loss_tokens": sum(sum(s.loss_mask) for s in samples),
             "staleness/mean": sum(staleness) / max(len(staleness), 1),
             "staleness/max": max(staleness, default=0),
-            "staleness/min_version": min((step - 1) - s for s in staleness) if staleness else 0,
+            "staleness/min_version": min(versions, default=0),
+            "staleness/hist": staleness_counts(step, versions),
             "perf/gen_tokens_per_s": (self._gen_tokens - mark_tokens) / max(now - mark_time, 1e-9),
             "time/step_s": now - mark_time,
             "time/wait_for_groups_s": wait_s,
             "time/train_s": train_s,
             **sync,
+            **self._finished_validation(),
             **{f"train/{k}": v for k, v in result.metrics.items()},
             **{f"count/{k}": v for k, v in self._counters.items()},
         }
         self.metrics.write(record)
         return reward_mean
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _start_validation(self, tg: asyncio.TaskGroup) -> None:
+        assert self._validation is not None
+        self._val_task = tg.create_task(
+            run_validation(
+                self._validation.gateway,
+                self.env,
+                self._validation.tasks,
+                version=self.version,
+                concurrency=self.config.val_concurrency,
+                timeout_s=self.config.rollout_timeout_s,
+            ),
+            name=f"validation-v{self.version}",
+        )
+        self._val_reported = False
+
+    def _finished_validation(self) -> dict[str, float]:
+        """The last round's metrics, once, on the first record after it ends."""
+        task = self._val_task
+        if task is None or not task.done() or self._val_reported:
+            return {}
+        self._val_reported = True
+        return task.result()
+
+    async def _wait_validation(self) -> float:
+        """A sync must not cut a validation round: wait for it; returns the time waited."""
+        task = self._val_task
+        if task is None or task.done():
+            return 0.0
+        started = time.monotonic()
+        await asyncio.shield(task)
+        return time.monotonic() - started
+
+    # -- weight sync ----------------------------------------------------------------------------
 
     async def _sync(self, weights_dir: str, version: int) -> dict[str, float]:
         """Pause (abort | keep | drain) -> load on every replica and verify -> resume.
@@ -224,6 +380,7 @@ class TrainingLoop:
         the gateway resumes at the version the replicas still hold and the run stops, saying
         which version is being served, rather than train on while serving stale weights.
         """
+        val_wait = await self._wait_validation()
         started = time.monotonic()
         pause = await self.gateway.pause(self.sync.mode, self.sync.pause_timeout_s)
         try:
@@ -250,14 +407,9 @@ class TrainingLoop:
         self._counters["interrupted_tokens_kept"] += pause.tokens_kept
         return {
             "time/sync_s": time.monotonic() - started,
+            "time/sync_waited_for_val_s": val_wait,
             "sync/pause_latency_s": pause.latency_s,
             "sync/load_s": load.load_s,
             "sync/interrupted": float(pause.interrupted),
             "sync/tokens_kept": float(pause.tokens_kept),
         }
-
-
-def _task_cycle(tasks: Sequence[Task]):  # type: ignore[no-untyped-def]
-    if not tasks:
-        raise ValueError("the environment has no training tasks")
-    return itertools.cycle(tasks)

@@ -86,6 +86,8 @@ class StepSeries:
     elapsed_s: list[float]  # wall time from the start of the run to the end of the step
     trainer_idle_frac: list[float]  # wait_s / step_s
     replica_idle_frac: list[float] | None  # None when the run never logged it
+    # Validation rounds: (the step whose weights were validated, greedy mean reward).
+    validation: list[tuple[int, float]]
 
 
 def step_series(records: Sequence[dict[str, Any]]) -> StepSeries:
@@ -126,6 +128,11 @@ def step_series(records: Sequence[dict[str, Any]]) -> StepSeries:
         elapsed_s=elapsed,
         trainer_idle_frac=idle,
         replica_idle_frac=None if all(math.isnan(x) for x in replica_idle) else replica_idle,
+        validation=[
+            (int(_num(r, "val/version")), _num(r, "val/reward_mean"))
+            for r in records
+            if not math.isnan(_num(r, "val/version"))
+        ],
     )
 
 
@@ -301,6 +308,14 @@ def plot_reward(series: StepSeries, path: Path) -> Path:
         label="min-max over the batch",
     )
     ax.plot(series.steps, series.reward_mean, color=_COLORS[0], marker=".", label="mean")
+    if series.validation:
+        ax.plot(
+            [step for step, _ in series.validation],
+            [reward for _, reward in series.validation],
+            color=_COLORS[1],
+            marker="D",
+            label="validation (greedy, held-out)",
+        )
     _finish_axis(ax, "Reward per step", "trainer step", "reward")
     ax.legend(loc="best", fontsize=9)
     return _save(fig, path)

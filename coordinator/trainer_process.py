@@ -74,6 +74,10 @@ class TrainerProcess:
         _, step = protocol.parse_ready((self.run_dir / protocol.READY).read_text())
         return step
 
+    def snapshot_dir(self, step: int) -> Path:
+        """Where the trainer exported (or, after a resume, re-exported) step's weights."""
+        return protocol.snapshot_dir(self.run_dir, step)
+
     def _check_alive(self) -> None:
         if self._proc is None:
             raise TrainerError("trainer not started")

@@ -72,3 +72,21 @@ def test_the_shipped_configs_parse_and_overrides_apply() -> None:
     assert config.loop.steps == 5
     assert config.trainer.lr == 0.01
     assert config.environment.path == (ROOT / "examples/toy/env.py").resolve()
+
+
+def test_train_takes_a_config_or_resume_but_not_both_nor_neither(tmp_path: Path) -> None:
+    for args in ((), (str(ROOT / "examples/toy/config.yaml"), "--resume", str(tmp_path))):
+        result = _lockgate("train", *args)
+        assert result.returncode == 2 and "exactly one" in result.stderr, result.stderr
+    result = _lockgate("train", "--resume", str(tmp_path / "no-run"))
+    assert result.returncode == 2 and "not found" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_saved_run_config_loads_back_for_resume_with_overrides(tmp_path: Path) -> None:
+    config = load_config(ROOT / "examples/toy/config.yaml")
+    (tmp_path / "config.json").write_text(config.model_dump_json(indent=2))
+    again = load_config(tmp_path / "config.json", ["loop.steps=40"])
+    assert again.loop.steps == 40
+    assert again.model_dump(exclude={"loop"}) == config.model_dump(exclude={"loop"})
+    assert again.environment.path == (ROOT / "examples/toy/env.py").resolve()

@@ -242,3 +242,17 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path: Path, setup: str, needle:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lockgate: ") and needle in lines[0], lines
+
+
+def test_validation_rounds_are_read_at_the_step_whose_weights_they_validated(
+    tmp_path: Path,
+) -> None:
+    records = [
+        _record(1, **{"val/version": 0, "val/reward_mean": 0.25}),
+        _record(2),
+        _record(3, **{"val/version": 2, "val/reward_mean": 0.5}),
+    ]
+    assert step_series(records).validation == [(0, 0.25), (2, 0.5)]
+    assert step_series([_record(1)]).validation == []
+    report = write_report([_run(tmp_path, "val", records)])
+    assert report.html.is_file()

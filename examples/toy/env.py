@@ -24,7 +24,13 @@ _WORDS = "apple river stone cloud seven green table light music paper storm quie
 
 class NumbersEnvironment:
     def __init__(
-        self, model_dir: Path, *, num_tasks: int = 64, max_tokens: int = 24, seed: int = 0
+        self,
+        model_dir: Path,
+        *,
+        num_tasks: int = 64,
+        num_val_tasks: int = 16,
+        max_tokens: int = 24,
+        seed: int = 0,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.max_tokens = max_tokens
@@ -36,9 +42,20 @@ class NumbersEnvironment:
             )
             for i in range(num_tasks)
         ]
+        # Held out: an instruction worded differently from every training prompt.
+        self._val_tasks = [
+            Task(
+                id=f"numbers-val-{i}",
+                data={"prompt": "Reply in digits: " + " ".join(rng.sample(_WORDS, 3))},
+            )
+            for i in range(num_val_tasks)
+        ]
 
     def train_tasks(self) -> Sequence[Task]:
         return self._tasks
+
+    def val_tasks(self) -> Sequence[Task]:
+        return self._val_tasks
 
     @cached_property
     def number_tokens(self) -> frozenset[int]:

@@ -1,0 +1,217 @@
+"""The loop's task cursor and resume, and validation metrics, against an in-memory gateway and
+trainer: no replicas, so the out-of-order completion that makes the cursor hard is driven by
+random agent delays, in under a second."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lockgate.agent_runtime import RolloutContext, RolloutResult, Task
+from lockgate.coordinator.config import LoopSection
+from lockgate.coordinator.loop import TrainingLoop
+from lockgate.coordinator.loop_state import (
+    STATE_FILE,
+    LoopState,
+    append_state,
+    load_state,
+    truncate_steps,
+)
+from lockgate.coordinator.metrics import MetricsLog, read_metrics
+from lockgate.coordinator.validation import validation_metrics
+from lockgate.gateway.schema import (
+    CreatedSession,
+    LoadReport,
+    PauseReport,
+    SessionInfo,
+    SessionSamples,
+    TrainingSample,
+)
+from lockgate.trainer.batch import StepResult, TrainBatch
+
+
+class FakeGateway:
+    """Records sessions; every sampled token carries the version being served."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.loads: list[int] = []
+        self._ids = itertools.count()
+        self._sessions: dict[str, tuple[str, float | None]] = {}
+        self._token_version: dict[str, int] = {}
+
+    async def create_session(
+        self, task_id: str, group_id: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> CreatedSession:
+        sid = f"s{next(self._ids)}"
+        self._sessions[sid] = (task_id, None)
+        return CreatedSession(session_id=sid, api_key="k", base_url="/x")
+
+    def sample_now(self, sid: str) -> None:
+        self._token_version[sid] = self.version
+
+    async def finish_session(
+        self,
+        sid: str,
+        *,
+        reward: float | None = None,
+        failed: bool = False,
+        error: str | None = None,
+    ) -> SessionInfo:
+        self._sessions[sid] = (self._sessions[sid][0], reward)
+        return self._info(sid)
+
+    def _info(self, sid: str) -> SessionInfo:
+        task_id, reward = self._sessions[sid]
+        return SessionInfo(
+            session_id=sid, task_id=task_id, group_id=None, metadata={}, status="finished",
+            reward=reward, error=None, created_at=0.0, finished_at=0.0, num_calls=1,
+            rerender_splits=0,
+        )  # fmt: skip
+
+    async def samples(self, sid: str) -> SessionSamples:
+        v = self._token_version[sid]
+        sample = TrainingSample(
+            input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
+            versions=[-1, v, v], call_indices=[0],
+        )  # fmt: skip
+        return SessionSamples(session=self._info(sid), samples=[sample], splits=0)
+
+    async def pause(self, mode: str, timeout_s: float) -> PauseReport:
+        return PauseReport(
+            mode="abort", latency_s=0.0, interrupted=0, tokens_kept=0, frozen=0, version=0
+        )
+
+    async def load_weights(self, path: str, version: int) -> LoadReport:
+        self.loads.append(version)
+        return LoadReport(version=version, loaded=["r"], failed={}, load_s=0.0)
+
+    async def resume(self, version: int) -> None:
+        self.version = version
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def snapshot_dir(self, step: int) -> Path:
+        return Path(f"/weights/step_{step}")
+
+    async def train_step(self, batch: TrainBatch) -> StepResult:
+        self.steps.append(batch.step)
+        await asyncio.sleep(0.01)
+        return StepResult(step=batch.step, weights_dir=f"/w/{batch.step}", metrics={})
+
+
+class FakeEnv:
+    def __init__(self, gateway: FakeGateway, seed: int) -> None:
+        self.gateway = gateway
+        self.rng = random.Random(seed)
+        self.tasks = [Task(id=f"t{i}") for i in range(5)]
+
+    def train_tasks(self) -> Sequence[Task]:
+        return self.tasks
+
+    @property
+    def agent(self):  # type: ignore[no-untyped-def]
+        async def act(task: Task, ctx: RolloutContext) -> float:
+            self.gateway.sample_now(ctx.session_id)
+            # Long-tailed delays: groups finish far out of dispatch order.
+            await asyncio.sleep(0.002 * self.rng.lognormvariate(0, 1.2))
+            return self.rng.random()
+
+        return act
+
+    @property
+    def reward(self) -> None:
+        return None
+
+
+def _loop(tmp_path: Path, steps: int, eta: int, resume: LoopState | None = None, seed: int = 0):  # type: ignore[no-untyped-def]
+    gateway = FakeGateway()
+    config = LoopSection(steps=steps, groups_per_step=3, group_size=2, max_staleness=eta)
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", steps, stream=io.StringIO())
+    loop = TrainingLoop(
+        config, FakeEnv(gateway, seed), gateway, FakeTrainer(), metrics,  # type: ignore[arg-type]
+        state_path=tmp_path / STATE_FILE, resume=resume,
+    )  # fmt: skip
+    return loop, gateway
+
+
+def _states(tmp_path: Path) -> list[LoopState]:
+    return [LoopState.model_validate_json(line) for line in (tmp_path / STATE_FILE).open()]
+
+
+def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_path: Path) -> None:
+    loop, _ = _loop(tmp_path, steps=4, eta=2, seed=1)
+    asyncio.run(loop.run())
+    assert [s.step for s in _states(tmp_path)] == [1, 2, 3, 4]
+    # As if killed after the trainer checkpointed step 2: later records are cut off.
+    truncate_steps(tmp_path / STATE_FILE, 2)
+    at_checkpoint = load_state(tmp_path / STATE_FILE, 2)
+    assert at_checkpoint.pending, "the test needs groups in flight at the checkpoint"
+    resumed, gateway = _loop(tmp_path, steps=5, eta=2, resume=at_checkpoint, seed=2)
+    summary = asyncio.run(resumed.run())
+    assert summary.steps == 3 and summary.version == 5
+    assert gateway.loads[0] == 2  # replicas synced to the checkpoint's weights before dispatch
+
+    states = _states(tmp_path)
+    assert [s.step for s in states] == [1, 2, 3, 4, 5]
+    trained = [serial for s in states for serial in s.trained]
+    dropped = [serial for s in states for serial in s.dropped]
+    assert len(trained) == 5 * 3 and len(set(trained)) == len(trained)  # none twice
+    # Every serial below the cursor is trained, dropped or still pending: none skipped.
+    last = states[-1]
+    assert sorted([*trained, *dropped, *last.pending]) == list(range(last.next_serial))
+
+
+def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_path: Path) -> None:
+    loop, _ = _loop(tmp_path, steps=4, eta=0)
+    asyncio.run(loop.run())
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["staleness/hist"] == {"0": r["batch/loss_tokens"]}
+
+
+def test_state_lines_load_by_step_and_truncate_ignoring_a_half_written_line(tmp_path: Path) -> None:
+    path = tmp_path / STATE_FILE
+    for step in (1, 2, 3):
+        append_state(
+            path,
+            LoopState(step=step, version=step - 1, next_serial=3 * step, pending=[step],
+                      trained=[0], dropped=[]),
+        )  # fmt: skip
+    with path.open("a") as f:
+        f.write('{"step": 4, "vers')  # killed mid-write
+    assert load_state(path, 2).next_serial == 6
+    assert truncate_steps(path, 2) == 2
+    assert [LoopState.model_validate_json(x).step for x in path.read_text().splitlines()] == [1, 2]
+    try:
+        load_state(path, 3)
+    except ValueError as exc:
+        assert "no state for step 3" in str(exc)
+    else:
+        raise AssertionError("expected a ValueError")
+    assert truncate_steps(tmp_path / "missing.jsonl", 0) == 0
+
+
+def test_validation_metrics_leave_failed_rollouts_out_of_the_mean() -> None:
+    def result(status: str, reward: float | None) -> RolloutResult:
+        return RolloutResult(
+            session_id="s", task_id="t", group_id="g", status=status,  # type: ignore[arg-type]
+            reward=reward, duration_s=0.1,
+        )  # fmt: skip
+
+    m = validation_metrics(
+        [result("finished", 1.0), result("finished", 0.0), result("failed", None)], 3, 2.0
+    )
+    assert m["val/reward_mean"] == 0.5 and m["val/reward_std"] == 0.5
+    assert m["val/tasks"] == 3 and m["val/failed"] == 1 and m["val/version"] == 3
+    assert math.isnan(validation_metrics([result("failed", None)], 0, 0.0)["val/reward_mean"])
