@@ -181,20 +181,31 @@ async def test_tokens_before_a_sync_carry_the_old_version_and_after_it_the_new(
 ) -> None:
     new_dir = perturbed_model_dir
     body = _greedy("Tell a long story about the river, number 0.", 200)
-    for _ in range(3):  # until the sync finds the call in flight (see _interrupt_at)
-        s = await gw.session()
-        call = asyncio.create_task(gw.client.post(f"{s['base_url']}/chat/completions", json=body))
-        if await gw.wait_tokens(12, call):
-            break
-    else:
-        pytest.fail("the call finished each time before the test could cut it")
+    version = 0
     try:
-        await gw.sync(new_dir, 1)
+        # Until the sync finds the call in flight (see _interrupt_at); a sync that found it
+        # finished upstream is undone (old weights back) before the next attempt.
+        for _ in range(4):
+            s = await gw.session()
+            call = asyncio.create_task(
+                gw.client.post(f"{s['base_url']}/chat/completions", json=body)
+            )
+            if not await gw.wait_tokens(12, call):
+                await call
+                continue
+            version += 1
+            if (await gw.sync(new_dir, version))["interrupted"] == 1:
+                break
+            await call
+            version += 1
+            await gw.sync(tiny_model_dir, version)
+        else:
+            pytest.fail("the call finished upstream each time before the test could cut it")
         resp = await call
         assert resp.status_code == 200, resp.text
         (rec,) = await gw.calls(s["session_id"])
         spans = rec["versions"]
-        assert [sp["version"] for sp in spans] == [0, 1], spans
+        assert [sp["version"] for sp in spans] == [version - 1, version], spans
         cut = spans[0]["end"]
         n = len(rec["completion_ids"])
         assert 12 <= cut < n
@@ -213,7 +224,7 @@ async def test_tokens_before_a_sync_carry_the_old_version_and_after_it_the_new(
         assert after_new < 1e-2
         assert after_old > 0.1
     finally:
-        await gw.sync(tiny_model_dir, 2)  # later tests expect the original weights
+        await gw.sync(tiny_model_dir, version + 1)  # later tests expect the original weights
 
 
 async def _agent(
