@@ -139,6 +139,9 @@ class Gateway:
             *(c.set_version_label(self.gate.version) for c in self.pool.clients),
             return_exceptions=True,
         )
+        # A replica a previous gateway paused in vLLM and never resumed (it died mid-sync)
+        # would hold every call forever; this gateway starts serving, so they serve too.
+        await asyncio.gather(*(c.resume() for c in self.pool.clients), return_exceptions=True)
         self.pool.start()
 
     async def close(self) -> None:

@@ -173,12 +173,20 @@ class ReplicaClient:
         method: str = "POST",
         params: dict[str, str] | None = None,
     ) -> Any:
-        try:
-            resp = await self._http.request(
-                method, f"{self.url}{path}", json=payload, params=params, timeout=_ADMIN_TIMEOUT
-            )
-        except httpx.TransportError as exc:
-            raise ReplicaUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        # Every admin call is safe to repeat (pause, resume, reload the same snapshot, set a
+        # label), and a kept-alive connection the replica closed after an error answer fails
+        # on first use: one retry on a transport error.
+        for attempt in (1, 2):
+            try:
+                resp = await self._http.request(
+                    method, f"{self.url}{path}", json=payload, params=params, timeout=_ADMIN_TIMEOUT
+                )
+                break
+            except httpx.TransportError as exc:
+                if attempt == 2 or isinstance(exc, httpx.TimeoutException):
+                    raise ReplicaUnavailable(
+                        f"{self.url}{path}: {type(exc).__name__}: {exc}"
+                    ) from exc
         if resp.status_code != 200:
             raise ReplicaUnavailable(
                 f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}"
