@@ -194,3 +194,16 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
     print(f"\nresumed vs uninterrupted step 3: {worst:.2e}; step 3 moved weights by {moved:.2e}")
     assert worst < 1e-6
     assert moved > 1e-5  # step 3 really trained
+
+
+def test_snapshot_pruning_drops_an_earlier_runs_later_steps(tmp_path: Path) -> None:
+    from lockgate.trainer.export import prune_snapshots
+
+    for step in (1, 28, 29, 30):  # 28-30 from an earlier run in the same run dir
+        (tmp_path / f"step_{step}").mkdir()
+    prune_snapshots(tmp_path, keep=3, current=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    for step in (2, 3, 4):
+        (tmp_path / f"step_{step}").mkdir()
+    prune_snapshots(tmp_path, keep=3, current=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]

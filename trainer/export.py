@@ -45,12 +45,16 @@ def write_snapshot(state_dict: Mapping[str, torch.Tensor], source_dir: Path, out
     return out_dir
 
 
-def prune_snapshots(weights_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` step_N snapshots."""
+def prune_snapshots(weights_dir: Path, keep: int, current: int) -> None:
+    """Keep the `keep` newest step_N snapshots up to step `current`; delete the rest, and any
+    of a later step: an earlier run in the same dir left those, and counting them as newest
+    would delete the snapshot just written."""
     steps = sorted(
         (int(m.group(1)), p)
         for p in weights_dir.iterdir()
         if (m := _STEP_DIR.match(p.name)) and p.is_dir()
     )
-    for _, path in steps[:-keep]:
+    stale = [path for step, path in steps if step > current]
+    kept = [(step, path) for step, path in steps if step <= current]
+    for path in stale + [path for _, path in kept[:-keep]]:
         shutil.rmtree(path, ignore_errors=True)

@@ -68,7 +68,7 @@ def _export(
     out = protocol.snapshot_dir(run_dir, step)
     if world.is_main:
         write_snapshot(state, config.model_dir, out)
-        prune_snapshots(out.parent, config.keep_snapshots)
+        prune_snapshots(out.parent, config.keep_snapshots, step)
     return out
 
 
