@@ -259,7 +259,8 @@ async def test_top_logprobs_rank_the_candidates(
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     (call,) = await _calls(gw, s["session_id"])
-    assert len(content) == len(call["completion_ids"]) == 12
+    # Sampled at temperature 1 (the run's policy): it may stop before max_tokens.
+    assert len(content) == len(call["completion_ids"]) >= 1
     for entry, lp in zip(content, call["logprobs"], strict=True):
         top = entry["top_logprobs"]
         assert len(top) == 3
