@@ -32,18 +32,18 @@ def perturbed_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
     return out
 
 
+def tiny_replica_set(model_dir: Path, count: int, log_dir: Path) -> LocalReplicaSet:
+    """Replicas of the tiny model as the tests use them (not started)."""
+    return LocalReplicaSet(
+        ReplicaLaunchConfig(model_dir=model_dir, count=count, max_model_len=2048, log_dir=log_dir)
+    )
+
+
 @pytest.fixture(scope="session")
 def replicas(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalReplicaSet]:
-    replica_set = LocalReplicaSet(
-        ReplicaLaunchConfig(
-            model_dir=tiny_model_dir,
-            count=2,
-            max_model_len=2048,
-            log_dir=tmp_path_factory.mktemp("replica-logs"),
-        )
-    )
+    replica_set = tiny_replica_set(tiny_model_dir, 2, tmp_path_factory.mktemp("replica-logs"))
     # The finalizer does not run if pytest itself is killed mid-session; atexit still covers
     # an interpreter that exits through an unexpected path (stop() is idempotent).
     atexit.register(replica_set.stop)

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import tiny_replica_set
 from openai import AsyncOpenAI
 
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.gateway.app import create_app
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.errors import GatewayError
@@ -374,14 +374,7 @@ async def test_a_resume_that_never_comes_fails_waiting_calls_with_503_and_keeps_
 @pytest.fixture
 def spare_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One more replica, for a test that kills it."""
-    spare = LocalReplicaSet(
-        ReplicaLaunchConfig(
-            model_dir=tiny_model_dir,
-            count=1,
-            max_model_len=2048,
-            log_dir=tmp_path_factory.mktemp("spare-replica-log"),
-        )
-    )
+    spare = tiny_replica_set(tiny_model_dir, 1, tmp_path_factory.mktemp("spare-replica-log"))
     with spare:
         yield spare
 
