@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import httpx
 from pydantic import BaseModel, Field
 
 from lockgate.gateway.schema import CallRecord
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 
 class Task(BaseModel):
@@ -24,6 +28,22 @@ class RolloutContext:
     base_url: str  # OpenAI-compatible base URL scoped to this session (ends in /v1)
     api_key: str  # the session's key; also accepted on the gateway's plain /v1 routes
     model: str = "lockgate"
+
+    def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
+        """An `AsyncOpenAI` for this session on the run's shared connection pool.
+
+        Cheaper than `AsyncOpenAI(base_url=..., api_key=...)` per rollout (no TLS context, no
+        new connections); closing it (or `async with`) leaves the shared pool open. Extra
+        keyword arguments go to `AsyncOpenAI` (e.g. `max_retries`, `timeout`).
+        """
+        from openai import AsyncOpenAI
+
+        from lockgate.agent_runtime.connections import shared_transport
+
+        http_client = httpx.AsyncClient(transport=shared_transport(), timeout=None)
+        return AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key, http_client=http_client, **kwargs
+        )
 
 
 # An agent runs one rollout. It may return its reward, or None to leave it to the RewardFn.

@@ -16,8 +16,6 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from openai import AsyncOpenAI
-
 from lockgate.agent_runtime import Agent, RewardFn, RolloutContext, Task
 from lockgate.gateway.schema import CallRecord
 
@@ -51,9 +49,7 @@ class ToolDelayEnvironment:
     def agent(self) -> Agent:
         async def act(task: Task, ctx: RolloutContext) -> float | None:
             messages: list[dict[str, str]] = [{"role": "user", "content": task.data["prompt"]}]
-            async with AsyncOpenAI(
-                base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0
-            ) as client:
+            async with ctx.openai_client(max_retries=0) as client:
                 for turn in range(self.turns):
                     reply = await client.chat.completions.create(
                         model=ctx.model,

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from lockgate.agent_runtime import CommandEnvironment, Environment
+from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
@@ -177,6 +178,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         async def run_loop() -> RunSummary:
             metrics = MetricsLog(run_dir / METRICS_FILE, config.loop.steps)
             async with contextlib.AsyncExitStack() as clients:
+                clients.push_async_callback(close_shared_transport)
                 client = await clients.enter_async_context(GatewayClient(gateway.url, admin_token))
                 validation = None
                 if val_gateway is not None and val_tasks is not None:

@@ -23,7 +23,14 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = GatewayConfig.model_validate_json(args.config.read_text())
     uvicorn.run(
-        create_app(config), host=args.host, port=args.port, log_level="warning", access_log=False
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        # Longer than clients keep idle connections (httpx 5 s, aiohttp 15 s): with uvicorn's
+        # 5 s default an agent back from a 5 s tool could send on a connection being closed.
+        timeout_keep_alive=75,
     )
 
 

@@ -63,15 +63,20 @@ class _Body(httpx.AsyncByteStream):
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
-    def __init__(self, max_connections: int = 1024) -> None:
+    def __init__(self, max_connections: int = 1024, keepalive_s: float = 4.0) -> None:
         self._max_connections = max_connections
+        # Under uvicorn's default 5 s keep-alive (vLLM's servers): a pooled connection is
+        # dropped here before the server may close it under a request being sent.
+        self._keepalive_s = keepalive_s
         # Made on first use: an aiohttp session belongs to the event loop it was created in.
         self._session: aiohttp.ClientSession | None = None
 
     def _session_now(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, keepalive_timeout=self._keepalive_s
+                ),
                 # httpx decodes the body by its content-encoding; decoding twice would break it.
                 auto_decompress=False,
             )

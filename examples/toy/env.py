@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
-from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from lockgate.agent_runtime import Agent, RewardFn, RolloutContext, Task
@@ -72,9 +71,9 @@ class NumbersEnvironment:
         max_tokens = self.max_tokens
 
         async def answer(task: Task, ctx: RolloutContext) -> float | None:
-            async with AsyncOpenAI(
-                base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0
-            ) as client:
+            # Any OpenAI client works (AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key));
+            # this one shares the run's connection pool, which matters with many rollouts.
+            async with ctx.openai_client(max_retries=0) as client:
                 await client.chat.completions.create(
                     model=ctx.model,
                     messages=[{"role": "user", "content": task.data["prompt"]}],
