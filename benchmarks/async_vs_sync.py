@@ -71,7 +71,9 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, urls: list[str]) -> 
     records = read_metrics(args.out / name / "metrics.jsonl")
     report = summarize(name, step_series(records))
     waited = [float(r["time/wait_for_groups_s"]) for r in records]
+    trained = [float(r["time/train_s"]) for r in records]
     first_step_s = float(records[0]["time/step_s"])
+    after_step1_s = summary.elapsed_s - first_step_s
     return {
         "mode": name,
         "eta": eta,
@@ -79,10 +81,12 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, urls: list[str]) -> 
         "trained_rollouts": sum(int(r["batch/rollouts"]) for r in records),
         "trained_sequences": sum(int(r["batch/samples"]) for r in records),
         "wall_s": summary.elapsed_s,
-        "trainer_idle_frac": sum(waited) / summary.elapsed_s,
+        # Idle: every second the trainer is not training (waiting for groups or for a sync).
+        "trainer_idle_frac": 1 - sum(trained) / summary.elapsed_s,
+        "waiting_for_groups_frac": sum(waited) / summary.elapsed_s,
         # Without step 1, whose wait is the pipeline filling up (the same in every mode).
-        "trainer_idle_frac_after_step1": sum(waited[1:]) / (summary.elapsed_s - first_step_s),
-        "train_s": sum(float(r["time/train_s"]) for r in records),
+        "trainer_idle_frac_after_step1": 1 - sum(trained[1:]) / after_step1_s,
+        "train_s": sum(trained),
         "sync_s": sum(float(r["time/sync_s"]) for r in records),
         "staleness_mean": report.mean_staleness,
         "staleness_max": report.max_staleness,
@@ -94,7 +98,7 @@ def table(results: list[dict[str, Any]]) -> str:
     sync = next((r for r in results if r["eta"] == 0), results[0])
     lines = [
         "| mode | η | trained rollouts (sequences) | wall-clock | speed-up vs sync "
-        "| rollouts/s (speed-up) | trainer idle | trainer idle after step 1 "
+        "| rollouts/s (speed-up) | trainer idle (waiting for groups) | trainer idle after step 1 "
         "| staleness mean / max | stale rollouts dropped |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -107,7 +111,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['mode']} | {r['eta']} | {r['trained_rollouts']} ({r['trained_sequences']}) "
             f"| {r['wall_s']:.1f} s | {sync['wall_s'] / r['wall_s']:.2f}x "
             f"| {rate:.2f} ({rate / sync_rate:.2f}x) "
-            f"| {100 * r['trainer_idle_frac']:.1f}% "
+            f"| {100 * r['trainer_idle_frac']:.1f}% ({100 * r['waiting_for_groups_frac']:.1f}%) "
             f"| {100 * r['trainer_idle_frac_after_step1']:.1f}% "
             f"| {r['staleness_mean']:.2f} / {r['staleness_max']:.0f} "
             f"| {r['rollouts_stale_dropped']} |"

@@ -64,6 +64,12 @@ class SyncSection(BaseModel):
     pause_timeout_s: float = Field(
         default=600.0, gt=0, description="Give up a pause (and keep serving) after this long."
     )
+    overlap: bool = Field(
+        default=True,
+        description="With max_staleness >= 1: the trainer starts the next step while the "
+        "replicas load the last one's weights (the next sync still waits for this one). Off: "
+        "every step waits for its own sync.",
+    )
 
 
 class TrainerSection(TrainerConfig):

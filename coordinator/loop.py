@@ -7,7 +7,11 @@ traceback instead of being lost in a done-callback:
 - each group runs n rollouts through agent_runtime, fetches their samples and queues the group;
 - the trainer side takes B groups per step (dropping rollouts past the max-off-policy bound),
   trains, and after every `sync_every` steps pauses the gateway, loads the new weights on every
-  replica and resumes at the new version.
+  replica and resumes at the new version. With η >= 1 (and `sync.overlap`) that sync runs
+  beside the next step: the trainer takes and trains step k+1's groups while the replicas load
+  step k's weights, and waits only if sync k is still running when step k+1 is trained. The
+  gate and the bound count versions the replicas really hold, so a sync that lands later only
+  makes them stricter.
 
 Synchronous (η = 0), one-step-off (η = 1) and fully-async (η > 1) runs share this one step
 pipeline; only the gate differs.
@@ -117,6 +121,7 @@ class TrainingLoop:
         self._state_path = state_path
         self._validation = validation
         self._val_task: asyncio.Task[dict[str, float]] | None = None
+        self._sync_task: asyncio.Task[dict[str, float]] | None = None
         self._val_reported = False
         self._rewards = list(previous_rewards)
         # The task cursor (loop_state.py): serials dispatched and not yet trained or dropped.
@@ -299,12 +304,18 @@ class TrainingLoop:
         result: StepResult = await self.trainer.train_step(TrainBatch(step=step, samples=samples))
         train_s = result.metrics.get("step_time_s", 0.0)
 
-        sync: dict[str, float] = {"time/sync_s": 0.0}
+        # Time the trainer side spends on syncs: waiting for the previous one to land, and for
+        # this step's when it is not overlapped with the next step.
+        blocked_started = time.monotonic()
+        sync = await self._finish_sync()
         if step % self.config.sync_every == 0:
-            sync = await self._sync(result.weights_dir, step)
-            if self._validation is not None and step % self.config.val_every == 0:
-                if step < self.config.steps:
-                    self._start_validation(tg)
+            self._sync_task = tg.create_task(
+                self._sync_and_validate(result.weights_dir, step, tg), name=f"sync-{step}"
+            )
+            if not self._overlaps_sync(step):
+                # After an overlapped one (the last step), the newer sync's figures win.
+                sync.update(await self._finish_sync())
+        sync["time/sync_s"] = time.monotonic() - blocked_started
 
         rewards = [r for g in groups for r in g.rewards]
         reward_mean = sum(rewards) / len(rewards)
@@ -336,6 +347,26 @@ class TrainingLoop:
         }
         self.metrics.write(record)
         return reward_mean
+
+    def _overlaps_sync(self, step: int) -> bool:
+        # η = 0 must not overlap: step k+1's rollouts may only start on step k's weights, so it
+        # would wait for the sync anyway, counted as waiting for groups. The last step's sync
+        # lands before the run ends.
+        return self.sync.overlap and self.config.max_staleness > 0 and step < self.config.steps
+
+    async def _finish_sync(self) -> dict[str, float]:
+        """Wait for the sync in flight, if any; its metrics (empty when there was none)."""
+        task, self._sync_task = self._sync_task, None
+        return dict(await task) if task is not None else {}
+
+    async def _sync_and_validate(
+        self, weights_dir: str, step: int, tg: asyncio.TaskGroup
+    ) -> dict[str, float]:
+        metrics = await self._sync(weights_dir, step)
+        if self._validation is not None and step % self.config.val_every == 0:
+            if step < self.config.steps:
+                self._start_validation(tg)
+        return metrics
 
     # -- validation -----------------------------------------------------------------------------
 
@@ -399,17 +430,22 @@ class TrainingLoop:
             log.warning(
                 "replicas out of rotation after failing to load %d: %s", version, load.failed
             )
+        resume_started = time.monotonic()
         await self.gateway.resume(version)
+        resume_s = time.monotonic() - resume_started
         async with self._version_changed:
             self.version = version
             self._version_changed.notify_all()
+        self._counters["syncs"] += 1
         self._counters["interrupted_segments"] += pause.interrupted
         self._counters["interrupted_tokens_kept"] += pause.tokens_kept
         return {
-            "time/sync_s": time.monotonic() - started,
+            "sync/version": float(version),
+            "sync/duration_s": time.monotonic() - started,
             "time/sync_waited_for_val_s": val_wait,
             "sync/pause_latency_s": pause.latency_s,
             "sync/load_s": load.load_s,
+            "sync/resume_s": resume_s,
             "sync/interrupted": float(pause.interrupted),
             "sync/tokens_kept": float(pause.tokens_kept),
         }

@@ -84,7 +84,7 @@ class StepSeries:
     sync_s: list[float]
     step_s: list[float]  # wall time of the step (see the module docstring)
     elapsed_s: list[float]  # wall time from the start of the run to the end of the step
-    trainer_idle_frac: list[float]  # wait_s / step_s
+    trainer_idle_frac: list[float]  # 1 - train_s / step_s
     replica_idle_frac: list[float] | None  # None when the run never logged it
     # Validation rounds: (the step whose weights were validated, greedy mean reward).
     validation: list[tuple[int, float]]
@@ -109,8 +109,10 @@ def step_series(records: Sequence[dict[str, Any]]) -> StepSeries:
     for s in step_s:
         total += s
         elapsed.append(total)
+    # Idle is everything but training: waiting for groups, for a weight sync, for anything else.
     idle = [
-        w / s if s > 0 and not math.isnan(w) else NAN for w, s in zip(wait, step_s, strict=True)
+        1.0 - t / s if s > 0 and not math.isnan(t) else NAN
+        for t, s in zip(train, step_s, strict=True)
     ]
     replica_idle = column("perf/replica_idle_frac")
     return StepSeries(
@@ -183,7 +185,7 @@ class ReportSummary:
     max_staleness: float
     total_time_s: float
     gen_tokens_per_s: float  # over the whole run, see run_throughput
-    trainer_idle_frac: float  # total wait over total wall time
+    trainer_idle_frac: float  # 1 - total training time over total wall time
     replica_idle_frac: float | None
 
     def rows(self) -> list[tuple[str, str]]:
@@ -231,7 +233,7 @@ def run_throughput(series: StepSeries) -> float:
 
 def summarize(name: str, series: StepSeries) -> ReportSummary:
     total = series.elapsed_s[-1] if series.elapsed_s else 0.0
-    waited = sum(w for w in series.wait_s if not math.isnan(w))
+    trained = sum(t for t in series.train_s if not math.isnan(t))
     return ReportSummary(
         name=name,
         steps=len(series.steps),
@@ -242,7 +244,7 @@ def summarize(name: str, series: StepSeries) -> ReportSummary:
         max_staleness=_max(series.staleness_max),
         total_time_s=total,
         gen_tokens_per_s=run_throughput(series),
-        trainer_idle_frac=waited / total if total > 0 else NAN,
+        trainer_idle_frac=1.0 - trained / total if total > 0 else NAN,
         replica_idle_frac=(
             None if series.replica_idle_frac is None else _mean(series.replica_idle_frac)
         ),
@@ -353,7 +355,7 @@ def plot_time(series: StepSeries, path: Path) -> Path:
     parts = [
         ("waiting for groups", series.wait_s, "#bbbbbb"),
         ("training", series.train_s, _COLORS[0]),
-        ("weight sync", series.sync_s, _COLORS[1]),
+        ("waiting for a weight sync", series.sync_s, _COLORS[1]),
     ]
     for label, values, color in parts:
         clean = [0.0 if math.isnan(v) else v for v in values]
@@ -390,7 +392,7 @@ def plot_idle(series: StepSeries, path: Path) -> Path:
             marker=".",
             label="replicas idle",
         )
-    _finish_axis(ax, "Idle fraction (trainer: waiting for groups / step time)", "trainer step", "")
+    _finish_axis(ax, "Idle fraction (trainer: 1 - training time / step time)", "trainer step", "")
     # Headroom above 100% keeps the legend off the data, which spans the whole range.
     ax.set_ylim(-0.02, 1.3)
     ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])

@@ -70,7 +70,7 @@ def test_step_series_derives_wall_time_idle_and_elapsed() -> None:
     assert s.steps == [1, 2, 3]
     assert s.step_s == [4.0, 8.0, 3.0]  # wait + train + sync unless time/step_s is logged
     assert s.elapsed_s == [4.0, 12.0, 15.0]
-    assert s.trainer_idle_frac == [0.25, 0.125, pytest.approx(1 / 3)]
+    assert s.trainer_idle_frac == [0.5, 0.75, pytest.approx(1 / 3)]  # 1 - train / step
     assert math.isnan(s.sync_s[2])
     assert s.replica_idle_frac is None
 
@@ -113,7 +113,7 @@ def test_summary_values() -> None:
     assert summary.best_reward == pytest.approx(0.2)
     assert summary.mean_staleness == 0.5 and summary.max_staleness == 1
     assert summary.total_time_s == 12.0
-    assert summary.trainer_idle_frac == 0.25
+    assert summary.trainer_idle_frac == 0.5  # 1 - 6 s trained / 12 s
     assert summary.gen_tokens_per_s == pytest.approx(200.0)  # equal step times: plain mean
     assert dict(summary.rows())["total time"] == "0m12s"
     assert "replicas idle" not in dict(summary.rows())
@@ -166,7 +166,7 @@ def test_a_single_run_report_writes_valid_pngs_and_an_html_with_the_summary(
     page = report.html.read_text()
     assert report.html == out / "report.html"
     assert page.count("data:image/png;base64,") == 5 and 'src="reward.png"' not in page
-    for cell in ("async-run", "<td>6</td>", "0.100", "0.600", "0.50", "0m24s", "25.0%", "10.0%"):
+    for cell in ("async-run", "<td>6</td>", "0.100", "0.600", "0.50", "0m24s", "50.0%", "10.0%"):
         assert cell in page, cell
 
 

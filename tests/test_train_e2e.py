@@ -41,7 +41,10 @@ def test_a_short_training_run_completes_syncs_and_leaves_no_process(
     assert "mean reward: first steps" in result.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["version"] for r in records] == [1, 2, 3]  # a weight sync after every step
+    # A weight sync after every step. With η = 1 each runs beside the next step (at most one
+    # behind when a step's record is written); the last one lands before the run ends.
+    assert all(r["step"] - 1 <= r["version"] <= r["step"] for r in records)
+    assert records[-1]["version"] == 3 and records[-1]["count/syncs"] == 3
     assert all(r["batch/groups"] == 2 and r["batch/loss_tokens"] > 0 for r in records)
     assert all(r["staleness/max"] <= 1 for r in records)  # max_staleness = 1
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
