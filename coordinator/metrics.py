@@ -17,6 +17,11 @@ class MetricsLog:
         self._total = total_steps
         self._stream = stream if stream is not None else sys.stderr
         self._started = time.monotonic()
+        # Run totals for the status line: per-step rates swing between 0 and bursts because a
+        # group's tokens are counted when the group completes.
+        self._tokens = 0.0
+        self._step_s = 0.0
+        self._train_s = 0.0
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -26,9 +31,15 @@ class MetricsLog:
         step = int(r["step"])
         elapsed = time.monotonic() - self._started
         eta = elapsed / max(step, 1) * (self._total - step)
+        step_s = float(r.get("time/step_s", 0.0))
+        self._tokens += float(r["perf/gen_tokens_per_s"]) * step_s
+        self._step_s += step_s
+        self._train_s += float(r["time/train_s"])
+        rate = self._tokens / self._step_s if self._step_s > 0 else 0.0
+        idle = 1.0 - self._train_s / self._step_s if self._step_s > 0 else 0.0
         self._stream.write(
             f"step {step:>3}/{self._total} | reward {r['reward/mean']:.3f}"
-            f" | gen {r['perf/gen_tokens_per_s']:.0f} tok/s"
+            f" | gen {rate:.0f} tok/s | trainer idle {100 * idle:.0f}%"
             f" | staleness {r['staleness/mean']:.2f} (max {r['staleness/max']:.0f})"
             f" | train {r['time/train_s']:.1f}s | sync {r['time/sync_s']:.2f}s"
             f" | elapsed {_fmt(elapsed)} eta {_fmt(eta)}\n"

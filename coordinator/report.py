@@ -412,6 +412,13 @@ def plot_reward_comparison(names: Sequence[str], runs: Sequence[StepSeries], pat
         )
         by_step.plot(series.steps, series.reward_mean, color=color, marker=".", label=name)
         by_time.plot(minutes, series.reward_mean, color=color, marker=".", label=name)
+        if series.validation:
+            # Placed at the step whose weights the round validated (its version).
+            val_steps, val_rewards = zip(*series.validation, strict=True)
+            by_step.plot(
+                val_steps, val_rewards, color=color, linestyle="--", marker="s", markersize=4,
+                label=f"{name}, greedy validation",
+            )  # fmt: skip
     _finish_axis(by_step, "Mean reward per step (band: min-max)", "trainer step", "reward")
     _finish_axis(
         by_time, "Mean reward over wall-clock time", "minutes since the run began", "reward"
