@@ -165,7 +165,10 @@ async def test_every_objective_option_trains_the_same_on_two_ranks_as_on_one(
     worst = _max_diff(_weights(one[-1]), _weights(two[-1]))
     moved = _max_diff(_weights(one[-1]), start)
     print(f"\nall options: ws1 vs ws2 {worst:.2e}; moved from init by {moved:.2e}")
-    assert worst < 1e-5
+    # Each rank packs its own samples, so the two sides round differently, and six AdamW
+    # updates of this objective grow that to a few 1e-5 while the weights move ~5e-3; a real
+    # fault (a lost micro-batch, a wrong normalisation across ranks) is of the update's order.
+    assert worst < 1e-4
     assert moved > 1e-4
 
     for a, b in zip(one, two, strict=True):

@@ -329,13 +329,14 @@ def test_ranks_get_balanced_token_loads() -> None:
     assert assign_to_ranks([5], 2) == [[0], []]
 
 
-def test_micro_batches_fit_the_padded_budget() -> None:
-    lengths = [30, 10, 20, 25, 100]
+def test_micro_batches_pack_up_to_the_token_budget() -> None:
+    lengths = [30, 10, 20, 25, 100, 5]
     plan = plan_micro_batches(lengths, 60)
-    assert sorted(i for mb in plan for i in mb) == list(range(5))
+    assert sorted(i for mb in plan for i in mb) == list(range(6))
     assert plan[0] == [4]  # longer than the budget: alone, not truncated
-    for mb in plan[1:]:
-        assert max(lengths[i] for i in mb) * len(mb) <= 60
+    # First fit from the longest: [30, 25, 5] and [20, 10] (padded, the first would be 3 x 30).
+    assert plan[1:] == [[0, 3, 5], [2, 1]]
+    assert all(sum(lengths[i] for i in mb) <= 60 for mb in plan[1:])
 
 
 def test_mini_batches_are_contiguous_near_equal_slices() -> None:

@@ -99,7 +99,10 @@ class TrainerConfig(BaseModel):
         ),
     )
     micro_batch_tokens: int = Field(
-        default=4096, ge=16, description="Padded tokens per forward pass (gradient accumulation)."
+        default=4096,
+        ge=16,
+        description="Tokens packed into one forward pass (no padding); a step accumulates "
+        "gradients over as many as its samples need.",
     )
     activation_checkpointing: bool = Field(
         default=False,

@@ -17,20 +17,23 @@ def assign_to_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices so that each padded micro-batch (count x longest) fits the budget.
+    """Group sample indices into micro-batches of at most `token_budget` tokens in total.
 
-    Sorting by length keeps padding small. A sample longer than the budget gets a micro-batch
-    of its own rather than being truncated.
+    Micro-batches are packed (`model.forward_logits` concatenates their samples into one row),
+    so what counts is the sum of the lengths, not count x longest. First-fit over the samples
+    from the longest down fills the micro-batches tightly. A sample longer than the budget gets
+    a micro-batch of its own rather than being truncated.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
-    current: list[int] = []
+    loads: list[int] = []
     for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and longest * (len(current) + 1) > token_budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= token_budget:
+                batches[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            batches.append([i])
+            loads.append(lengths[i])
     return batches

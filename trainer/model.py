@@ -1,4 +1,10 @@
-"""Loading the policy and running it on padded micro-batches."""
+"""Loading the policy and running it on packed micro-batches.
+
+The loss code works on right-padded [B, T] tensors; the forward pass does not: a micro-batch's
+samples are concatenated into one row with positions restarting at 0 per sample, from which
+transformers builds a block-diagonal causal mask (no sample attends to another, and no compute
+is spent on padding), and the logits are laid back out as [B, T, V].
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
@@ -34,9 +41,15 @@ def pad_batch(
 def forward_logits(
     model: torch.nn.Module, input_ids: torch.Tensor, lengths: Sequence[int]
 ) -> torch.Tensor:
-    """Logits [B, T, V] of a right-padded batch; padding is masked out of attention."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    attention_mask = (
-        positions[None, :] < torch.tensor(list(lengths), device=input_ids.device)[:, None]
-    ).long()
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits  # type: ignore[no-any-return]
+    """Logits [B, T, V] of a right-padded batch, computed packed; padding positions are 0."""
+    device = input_ids.device
+    rows = [input_ids[i, :n] for i, n in enumerate(lengths)]
+    packed = torch.cat(rows)[None, :]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None, :]
+    # No attention_mask: with packed position ids transformers masks per sample by itself.
+    logits = model(input_ids=packed, position_ids=positions).logits[0]
+    per_sample = torch.split(logits, list(lengths))
+    out = pad_sequence(list(per_sample), batch_first=True)
+    if out.shape[1] < input_ids.shape[1]:  # rows padded wider than the longest sample
+        out = torch.nn.functional.pad(out, (0, 0, 0, input_ids.shape[1] - out.shape[1]))
+    return out
