@@ -207,8 +207,12 @@ class ReplicaClient:
 
     async def pause(self, mode: str) -> None:
         """vLLM's own pause: `abort` ends running requests (partial tokens returned), `keep`
-        freezes them until resume; either way the engine schedules nothing new."""
-        await self.call_admin("/pause", params={"mode": mode})
+        freezes them until resume; either way the engine schedules nothing new.
+
+        The pause keeps vLLM's caches: resetting the prefix cache walks every KV block, time
+        the pause would wait for; a sync resets it once the new weights are in (and a pause
+        resumed on the same weights keeps a valid cache)."""
+        await self.call_admin("/pause", params={"mode": mode, "clear_cache": "false"})
 
     async def resume(self) -> None:
         await self.call_admin("/resume")
