@@ -8,12 +8,11 @@ under three dispatch bounds on one set of local vLLM-CPU replicas, started once 
 - one-step-off: η = 1;
 - async: η = --eta (fully async; the max-off-policy bound follows η, as in the default config).
 
-Every mode uses the same weight-sync mode (`--sync-mode`, drain by default: the model calls
-here are a few tokens long, so letting them finish costs little).
+Every mode uses the same weight-sync mode (`--sync-mode`, abort by default as in a real run).
 
 For each it reports the loop's wall-clock (first dispatch to last step; process start-up is the
-same for every mode and left out), the trainer's idle fraction (time the trainer side waited
-for groups over the wall-clock) and the staleness. Results go to OUT/results.json and a
+same for every mode and left out), the trainer's idle fraction (every second it was not
+training: waiting for groups or for a weight sync, over the wall-clock) and the staleness. Results go to OUT/results.json and a
 Markdown table on stdout. Run from the repository root:
 
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --out runs/bench-async
@@ -61,7 +60,9 @@ def _config(args: argparse.Namespace, name: str, eta: int, urls: list[str]) -> R
                 "max_staleness": eta,
             },
             "sync": {"mode": args.sync_mode},
-            "trainer": {"lr": 1e-4},
+            # Decoupled PPO: the correction for stale rollouts (docs/design.md, Staleness); with
+            # one update per batch it costs what bypass costs, so timings compare as they are.
+            "trainer": {"lr": 1e-4, "ppo_mode": "decoupled"},
         }
     )
 
@@ -127,15 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per group (n)")
     parser.add_argument("--eta", type=int, default=4, help="η of the async mode")
     parser.add_argument("--turns", type=int, default=3, help="model calls per rollout")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--delay-median-s", type=float, default=1.0)
     parser.add_argument("--delay-sigma", type=float, default=1.0)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument(
         "--sync-mode",
-        default="drain",
+        default="abort",
         choices=["abort", "keep", "drain"],
-        help="weight sync mode for every run (see benchmarks/README.md for why drain)",
+        help="weight sync mode for every run",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
