@@ -111,8 +111,13 @@ class Gateway:
         self.store = TrajectoryStore(config.db_path)
         self.renderer = ChatRenderer(config.model_dir, config.renderer)
         self._own_http = http is None
-        self.http = http or httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024))
-        self.pool = ReplicaPool(config.replicas, self.http, version=config.initial_version)
+        # The gateway's own stack sends generate requests with aiohttp directly and admin calls
+        # through httpx on the same aiohttp session; an injected client serves both.
+        transport = AiohttpTransport(max_connections=1024) if http is None else None
+        self.http = http or httpx.AsyncClient(transport=transport)
+        self.pool = ReplicaPool(
+            config.replicas, self.http, upstream=transport, version=config.initial_version
+        )
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
         initial = config.initial_weights or (
             str(config.model_dir) if config.initial_version == 0 else None

@@ -7,7 +7,6 @@ so the gateway owns rendering and the replica never re-tokenizes. Admin endpoint
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,15 +15,12 @@ import httpx
 import orjson
 
 from lockgate.gateway.errors import GatewayError
+from lockgate.gateway.upstream import HttpxUpstream, ReplicaUnavailable, Upstream
+
+__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "merge_chunks", "parse_chunk"]
 
 # Generation may legitimately run for minutes; admin calls must not hang a sync.
 _ADMIN_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
-_GENERATE_TIMEOUT = httpx.Timeout(None, connect=5.0)
-_JSON_HEADERS = {"content-type": "application/json"}
-
-
-class ReplicaUnavailable(Exception):
-    """The replica could not be reached (connection refused, reset, timed out)."""
 
 
 @dataclass(frozen=True)
@@ -91,31 +87,58 @@ def parse_chunk(payload: dict[str, Any]) -> ReplicaChunk | None:
     )
 
 
-async def _sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE body, as bytes (orjson parses bytes; decoding every line
-    to text first, as `aiter_lines` does, is a measurable share of a call)."""
+async def _sse_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of an SSE body, as bytes, grouped by the read that completed them.
+
+    Payloads that arrive together are handled together: a gateway that falls behind a replica
+    then pays the per-chunk cost of the call (generator steps, stop scans, stream updates) once
+    per read rather than once per token. orjson parses bytes, so no line is decoded to text.
+    """
     buffer = b""
-    async for piece in resp.aiter_bytes():
+    async for piece in pieces:
         buffer += piece
+        if b"\n" not in piece:
+            continue
         *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
+        batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+        if batch:
+            yield batch
     if buffer.startswith(b"data:"):
-        yield buffer[5:].strip()
+        yield [buffer[5:].strip()]
+
+
+def merge_chunks(chunks: list[ReplicaChunk]) -> ReplicaChunk:
+    """Chunks that arrived together as one: the tokens in order, the last finish and labels."""
+    if len(chunks) == 1:
+        return chunks[0]
+    top = (
+        [t for c in chunks for t in (c.top_logprobs or [])]
+        if any(c.top_logprobs is not None for c in chunks)
+        else None
+    )
+    last = next((c for c in reversed(chunks) if c.finish_reason is not None), chunks[-1])
+    return ReplicaChunk(
+        token_ids=[t for c in chunks for t in c.token_ids],
+        logprobs=[lp for c in chunks for lp in c.logprobs],
+        finish_reason=last.finish_reason,
+        weight_versions=last.weight_versions,
+        top_logprobs=top,
+    )
 
 
 class ReplicaClient:
-    def __init__(self, url: str, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, http: httpx.AsyncClient, upstream: Upstream | None = None) -> None:
         self.url = url.rstrip("/")
         self._http = http
-        self._generate_url = httpx.URL(f"{self.url}/inference/v1/generate")
+        self._upstream = upstream or HttpxUpstream(http)
+        self._generate_url = f"{self.url}/inference/v1/generate"
 
     async def generate_stream(
         self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str
     ) -> AsyncIterator[ReplicaChunk]:
         """Stream one generation. Always streamed, so that the tokens received before a replica
-        dies are kept; closing the iterator early aborts the request in vLLM."""
+        dies are kept; closing the iterator early aborts the request in vLLM. Chunks that
+        arrive in one read come as one."""
         body = {
             "token_ids": prompt_ids,
             # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
@@ -123,38 +146,35 @@ class ReplicaClient:
             "request_id": request_id,
             "stream": True,
         }
-        # Built by hand from a URL parsed once: `AsyncClient.stream` would re-parse and merge
-        # the URL and encode the JSON with the stdlib on every call of the hot path.
-        request = httpx.Request(
-            "POST",
-            self._generate_url,
-            content=orjson.dumps(body),
-            headers=_JSON_HEADERS,
-            extensions={"timeout": _GENERATE_TIMEOUT.as_dict()},
-        )
         finished = False
-        try:
-            async with contextlib.aclosing(await self._http.send(request, stream=True)) as resp:
-                if resp.status_code >= 500:
-                    text = (await resp.aread()).decode(errors="replace")
-                    raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status_code}: {text[:300]}")
-                if resp.status_code != 200:
-                    raise _replica_error(
-                        resp.status_code, (await resp.aread()).decode(errors="replace")
-                    )
-                async for data in _sse_data(resp):
+        async with self._upstream.post_stream(self._generate_url, orjson.dumps(body)) as resp:
+            if resp.status >= 500:
+                text = (await resp.read()).decode(errors="replace")
+                raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status}: {text[:300]}")
+            if resp.status != 200:
+                raise _replica_error(resp.status, (await resp.read()).decode(errors="replace"))
+            async for batch in _sse_batches(resp.pieces()):
+                chunks: list[ReplicaChunk] = []
+                error: GatewayError | None = None
+                for data in batch:
                     if data == b"[DONE]":
                         # Read on to the end of the body rather than stop here: a response
-                        # closed before its last (empty) chunk cannot go back to the pool, and a
-                        # new connection per call costs more than the rest of the call.
+                        # closed before its last (empty) chunk cannot go back to the pool,
+                        # and a new connection per call costs more than the rest of the call.
                         continue
-                    chunk = parse_chunk(orjson.loads(data))
-                    if chunk is None:
-                        continue
-                    finished = chunk.finish_reason is not None
-                    yield chunk
-        except httpx.TransportError as exc:
-            raise ReplicaUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+                    try:
+                        chunk = parse_chunk(orjson.loads(data))
+                    except GatewayError as exc:
+                        error = exc  # the tokens before it in this read are still kept
+                        break
+                    if chunk is not None:
+                        chunks.append(chunk)
+                if chunks:
+                    merged = merge_chunks(chunks)
+                    finished = merged.finish_reason is not None
+                    yield merged
+                if error is not None:
+                    raise error
         if not finished:
             raise ReplicaUnavailable(f"{self.url}: the stream ended without a finish reason")
 

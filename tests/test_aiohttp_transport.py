@@ -5,6 +5,7 @@ failures surfacing as the httpx errors the replica client handles."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 
@@ -28,6 +29,7 @@ class _Upstream:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         n = body["sampling_params"]["max_tokens"]
+        slow = body["sampling_params"].get("slow")
         try:
             for i in range(n):
                 choice = {
@@ -36,7 +38,7 @@ class _Upstream:
                     "finish_reason": "length" if i == n - 1 else None,
                 }
                 await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
-                if body.get("slow"):
+                if slow:
                     await asyncio.sleep(0.05)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -62,40 +64,63 @@ async def upstream() -> AsyncIterator[tuple[_Upstream, str]]:
         await server.close()
 
 
+@contextlib.asynccontextmanager
+async def _replica(
+    url: str, direct: bool
+) -> AsyncIterator[tuple[ReplicaClient, httpx.AsyncClient]]:
+    """A replica client sending generate requests with aiohttp directly (as the gateway's own
+    stack does), or through httpx's interface on the same transport."""
+    transport = AiohttpTransport()
+    async with httpx.AsyncClient(transport=transport) as http:
+        yield ReplicaClient(url, http, transport if direct else None), http
+
+
+@pytest.mark.parametrize("direct", [True, False])
 async def test_streams_are_read_whole_and_connections_reused(
-    upstream: tuple[_Upstream, str],
+    upstream: tuple[_Upstream, str], direct: bool
 ) -> None:
     state, url = upstream
-    async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
-        replica = ReplicaClient(url, http)
+    async with _replica(url, direct) as (replica, http):
         for _ in range(3):
             chunks = [c async for c in replica.generate_stream([1, 2], {"max_tokens": 4}, "r")]
-            assert [c.token_ids for c in chunks] == [[0], [1], [2], [3]]
+            # Chunks that arrive in one read come as one.
+            assert [t for c in chunks for t in c.token_ids] == [0, 1, 2, 3]
+            assert [lp for c in chunks for lp in c.logprobs] == [-1.0] * 4
             assert chunks[-1].finish_reason == "length"
         assert len(state.peers) == 1
         r = await http.get(f"{url}/headers", headers={"x-probe": "1"})
         assert r.status_code == 200 and r.json()["x-probe"] == "1"
 
 
+@pytest.mark.parametrize("direct", [True, False])
+async def test_chunks_go_on_as_they_arrive(upstream: tuple[_Upstream, str], direct: bool) -> None:
+    _, url = upstream
+    async with _replica(url, direct) as (replica, _):
+        stream = replica.generate_stream([1], {"max_tokens": 3, "slow": True}, "r")
+        chunks = [c async for c in stream]
+        assert [c.token_ids for c in chunks] == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("direct", [True, False])
 async def test_a_stream_closed_early_closes_its_connection(
-    upstream: tuple[_Upstream, str],
+    upstream: tuple[_Upstream, str], direct: bool
 ) -> None:
     state, url = upstream
-    async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
-        body = {"token_ids": [1], "sampling_params": {"max_tokens": 100}, "slow": True}
-        async with http.stream("POST", f"{url}/inference/v1/generate", json=body) as resp:
-            async for _ in resp.aiter_bytes():
-                break
+    async with _replica(url, direct) as (replica, _):
+        stream = replica.generate_stream([1], {"max_tokens": 100, "slow": True}, "r")
+        async for _ in stream:
+            break
+        await stream.aclose()
         # vLLM aborts a streamed request when its connection goes: the server must see it.
         await asyncio.wait_for(state.abandoned.wait(), 5.0)
 
 
-async def test_a_refused_connection_is_a_replica_failure() -> None:
+@pytest.mark.parametrize("direct", [True, False])
+async def test_a_refused_connection_is_a_replica_failure(direct: bool) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
-        replica = ReplicaClient(f"http://127.0.0.1:{port}", http)
+    async with _replica(f"http://127.0.0.1:{port}", direct) as (replica, _):
         with pytest.raises(ReplicaUnavailable):
             async for _ in replica.generate_stream([1], {"max_tokens": 1}, "r"):
                 pass
