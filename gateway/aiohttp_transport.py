@@ -1,7 +1,7 @@
 """An httpx transport that sends requests with aiohttp: the gateway's default to the replicas.
 
-Generate requests, the hot path, skip httpx altogether: `post_stream` sends them with the same
-aiohttp session (see gateway/upstream.py). Admin calls go through httpx's interface.
+Generate requests, the hot path, do not come through here: the gateway sends them with its own
+minimal HTTP/1.1 client (gateway/http1.py). Admin calls and health checks do.
 
 The gateway talks to replicas through an `httpx.AsyncClient` (tests inject httpx's
 `MockTransport` there), but httpx's own connection pool (httpcore) is the gateway's largest
@@ -20,14 +20,11 @@ generation was abandoned); one read to the end goes back to the pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import aiohttp
 import httpx
-
-from lockgate.gateway.upstream import CONNECT_TIMEOUT_S, StreamedResponse, unreachable
 
 # Hop-by-hop or framing headers that aiohttp sets itself from the body it sends.
 _DROPPED_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection"})
@@ -51,13 +48,6 @@ def _as_httpx_errors(request: httpx.Request) -> Iterator[None]:
         raise httpx.TransportError(str(exc), request=request) from exc
 
 
-def _let_go(response: aiohttp.ClientResponse) -> None:
-    if response.content.at_eof():
-        response.release()  # read to the end: the connection is reusable
-    else:
-        response.close()  # abandoned mid-body: drop the connection
-
-
 class _Body(httpx.AsyncByteStream):
     def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
         self._response = response
@@ -69,31 +59,10 @@ class _Body(httpx.AsyncByteStream):
                 yield piece
 
     async def aclose(self) -> None:
-        _let_go(self._response)
-
-
-class _StreamedBody:
-    def __init__(self, response: aiohttp.ClientResponse, url: str) -> None:
-        self._response = response
-        self.status = response.status
-        self._url = url
-
-    async def pieces(self) -> AsyncIterator[bytes]:
-        try:
-            async for piece in self._response.content.iter_any():
-                yield piece
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise unreachable(self._url, exc) from exc
-
-    async def read(self) -> bytes:
-        try:
-            return await self._response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise unreachable(self._url, exc) from exc
-
-
-_GENERATE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-_JSON_HEADERS = {"content-type": "application/json"}
+        if self._response.content.at_eof():
+            self._response.release()  # read to the end: the connection is reusable
+        else:
+            self._response.close()  # abandoned mid-body: drop the connection
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -136,24 +105,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             stream=_Body(response, request),
             request=request,
         )
-
-    @contextlib.asynccontextmanager
-    async def post_stream(self, url: str, body: bytes) -> AsyncIterator[StreamedResponse]:
-        """POST `body`, streaming the answer (the `Upstream` interface, without httpx)."""
-        try:
-            response = await self._session_now().post(
-                url,
-                data=body,
-                headers=_JSON_HEADERS,
-                timeout=_GENERATE_TIMEOUT,
-                allow_redirects=False,
-            )
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise unreachable(url, exc) from exc
-        try:
-            yield _StreamedBody(response, url)
-        finally:
-            _let_go(response)
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -38,6 +38,7 @@ from lockgate.gateway.errors import (
     unauthorized,
 )
 from lockgate.gateway.generation import CallGenerator, Sampled
+from lockgate.gateway.http1 import Http1Upstream
 from lockgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
@@ -107,12 +108,12 @@ class Gateway:
         self.store = TrajectoryStore(config.db_path)
         self.renderer = ChatRenderer(config.model_dir, config.renderer)
         self._own_http = http is None
-        # The gateway's own stack sends generate requests with aiohttp directly and admin calls
-        # through httpx on the same aiohttp session; an injected client serves both.
-        transport = AiohttpTransport(max_connections=1024) if http is None else None
-        self.http = http or httpx.AsyncClient(transport=transport)
+        # The gateway's own stack sends generate requests with its minimal HTTP/1.1 client and
+        # admin calls through httpx on aiohttp; an injected client serves both.
+        self._upstream = Http1Upstream(max_connections=1024) if http is None else None
+        self.http = http or httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024))
         self.pool = ReplicaPool(
-            config.replicas, self.http, upstream=transport, version=config.initial_version
+            config.replicas, self.http, upstream=self._upstream, version=config.initial_version
         )
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
         initial = config.initial_weights or (
@@ -149,6 +150,8 @@ class Gateway:
         await self.pool.stop()
         if self._own_http:
             await self.http.aclose()
+        if self._upstream is not None:
+            await self._upstream.aclose()
         await self.store.flush()
         self.store.close()
 
