@@ -89,6 +89,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(f"bad HTTP from the replica: {exc}")
             self.close()
+        # Once per read, not per callback: a read holds a chunk per token.
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -100,7 +102,6 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self._headers_done = True
-        self._wake()
 
     def on_body(self, body: bytes) -> None:
         self._pieces.append(body)
@@ -108,12 +109,10 @@ class _Connection(asyncio.Protocol):
         if self._buffered > _HIGH_WATER and self._transport is not None and not self._paused:
             self._paused = True
             self._transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
         self.keep_alive = self._parser.should_keep_alive()
-        self._wake()
 
     # -- the client's side -----------------------------------------------------------------------
 

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import orjson
 
-from lockgate.gateway.errors import GatewayError
+from lockgate.gateway.errors import GatewayError, upstream_failed
 from lockgate.gateway.upstream import HttpxUpstream, ReplicaUnavailable, Upstream
 
-__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "merge_chunks", "parse_chunk"]
+__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "parse_events"]
 
 # Generation may legitimately run for minutes; admin calls must not hang a sync.
 _ADMIN_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
@@ -37,54 +37,76 @@ class ReplicaChunk:
 
 
 def _replica_error(status: int, text: str) -> GatewayError:
-    return GatewayError(
-        502,
-        f"replica rejected the request: HTTP {status}: {text[:300]}",
-        type="upstream_error",
-        code="replica_error",
-    )
+    return upstream_failed(f"replica rejected the request: HTTP {status}: {text[:300]}")
 
 
-def parse_chunk(payload: dict[str, Any]) -> ReplicaChunk | None:
-    """A `/inference/v1/generate` SSE payload as a chunk; None for a choice-less usage chunk."""
-    if "error" in payload:
-        raise GatewayError(
-            502,
-            f"replica failed the request: {payload['error']}",
-            type="upstream_error",
-            code="replica_error",
-        )
-    choices = payload.get("choices") or []
-    if not choices:
-        return None
-    choice = choices[0]
-    token_ids: list[int] = choice.get("token_ids") or []
-    content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [float(entry["logprob"]) for entry in content]
-    if len(logprobs) != len(token_ids):
-        raise GatewayError(
-            502,
-            f"replica returned {len(token_ids)} tokens but {len(logprobs)} logprobs",
-            type="upstream_error",
-            code="replica_error",
-        )
-    top = None
-    if any(entry.get("top_logprobs") for entry in content):
-        # vLLM lists the sampled token first, then the candidates; OpenAI wants them by rank.
-        top = [
-            sorted(
-                ((int(c["token_id"]), float(c["logprob"])) for c in entry.get("top_logprobs", [])),
-                key=lambda c: -c[1],
+def parse_events(payloads: list[bytes]) -> tuple[ReplicaChunk | None, GatewayError | None]:
+    """`/inference/v1/generate` SSE payloads that arrived together, as one chunk (None if they
+    carry no choice: `[DONE]`, usage), and the error that ended them if one did: the tokens
+    before an error are still returned, so the call keeps them.
+
+    One pass per token and no object per event: at one event per token this runs for every
+    token the gateway serves.
+    """
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    top: list[list[tuple[int, float]]] | None = None
+    finish: str | None = None
+    versions: list[dict[str, Any]] | None = None
+    seen = False
+    for data in payloads:
+        if data == b"[DONE]":
+            continue
+        payload = orjson.loads(data)
+        if "error" in payload:
+            error = upstream_failed(f"replica failed the request: {payload['error']}")
+            return _chunk(seen, token_ids, logprobs, finish, versions, top), error
+        choices = payload.get("choices")
+        if not choices:
+            continue
+        seen = True
+        choice = choices[0]
+        ids = choice.get("token_ids") or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(ids):
+            error = upstream_failed(
+                f"replica returned {len(ids)} tokens but {len(content)} logprobs"
             )
-            for entry in content
-        ]
-    return ReplicaChunk(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        finish_reason=choice.get("finish_reason"),
-        weight_versions=choice.get("weight_versions"),
-        top_logprobs=top,
-    )
+            return _chunk(seen, token_ids, logprobs, finish, versions, top), error
+        token_ids += ids
+        has_top = False
+        for entry in content:
+            logprobs.append(float(entry["logprob"]))
+            if entry.get("top_logprobs"):
+                has_top = True
+        if has_top:
+            # vLLM lists the sampled token first, then the candidates; OpenAI wants them by rank.
+            top = (top or []) + [
+                sorted(
+                    (
+                        (int(c["token_id"]), float(c["logprob"]))
+                        for c in entry.get("top_logprobs", [])
+                    ),
+                    key=lambda c: -c[1],
+                )
+                for entry in content
+            ]
+        if (reason := choice.get("finish_reason")) is not None:
+            finish, versions = reason, choice.get("weight_versions")
+    return _chunk(seen, token_ids, logprobs, finish, versions, top), None
+
+
+def _chunk(
+    seen: bool,
+    token_ids: list[int],
+    logprobs: list[float],
+    finish: str | None,
+    versions: list[dict[str, Any]] | None,
+    top: list[list[tuple[int, float]]] | None,
+) -> ReplicaChunk | None:
+    if not seen:
+        return None
+    return ReplicaChunk(token_ids, logprobs, finish, versions, top)
 
 
 async def _sse_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
@@ -105,25 +127,6 @@ async def _sse_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list[bytes
             yield batch
     if buffer.startswith(b"data:"):
         yield [buffer[5:].strip()]
-
-
-def merge_chunks(chunks: list[ReplicaChunk]) -> ReplicaChunk:
-    """Chunks that arrived together as one: the tokens in order, the last finish and labels."""
-    if len(chunks) == 1:
-        return chunks[0]
-    top = (
-        [t for c in chunks for t in (c.top_logprobs or [])]
-        if any(c.top_logprobs is not None for c in chunks)
-        else None
-    )
-    last = next((c for c in reversed(chunks) if c.finish_reason is not None), chunks[-1])
-    return ReplicaChunk(
-        token_ids=[t for c in chunks for t in c.token_ids],
-        logprobs=[lp for c in chunks for lp in c.logprobs],
-        finish_reason=last.finish_reason,
-        weight_versions=last.weight_versions,
-        top_logprobs=top,
-    )
 
 
 class ReplicaClient:
@@ -154,25 +157,14 @@ class ReplicaClient:
             if resp.status != 200:
                 raise _replica_error(resp.status, (await resp.read()).decode(errors="replace"))
             async for batch in _sse_batches(resp.pieces()):
-                chunks: list[ReplicaChunk] = []
-                error: GatewayError | None = None
-                for data in batch:
-                    if data == b"[DONE]":
-                        # Read on to the end of the body rather than stop here: a response
-                        # closed before its last (empty) chunk cannot go back to the pool,
-                        # and a new connection per call costs more than the rest of the call.
-                        continue
-                    try:
-                        chunk = parse_chunk(orjson.loads(data))
-                    except GatewayError as exc:
-                        error = exc  # the tokens before it in this read are still kept
-                        break
-                    if chunk is not None:
-                        chunks.append(chunk)
-                if chunks:
-                    merged = merge_chunks(chunks)
-                    finished = merged.finish_reason is not None
-                    yield merged
+                # A `[DONE]` is read past rather than ended on: a response closed before its
+                # last (empty) chunk cannot go back to the pool, and a new connection per call
+                # costs more than the rest of the call.
+                chunk, error = parse_events(batch)
+                if chunk is not None:
+                    if chunk.finish_reason is not None:
+                        finished = True
+                    yield chunk
                 if error is not None:
                     raise error
         if not finished:

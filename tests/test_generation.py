@@ -13,7 +13,7 @@ from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.generation import CallGenerator
 from lockgate.gateway.pause import PauseGate, Segment
 from lockgate.gateway.pool import ReplicaPool
-from lockgate.gateway.replica_client import ReplicaChunk, ReplicaClient
+from lockgate.gateway.replica_client import ReplicaChunk, ReplicaClient, parse_events
 
 TOKENS = [5, 6, 7]
 
@@ -162,3 +162,24 @@ async def test_an_error_event_keeps_the_tokens_that_came_before_it() -> None:
     chunks, error = await _chunks(_token(5) + _token(6) + _event({"error": "engine died"}))
     assert [c.token_ids for c in chunks] == [[5, 6]]
     assert isinstance(error, GatewayError) and "engine died" in error.message
+
+
+def test_top_logprobs_come_by_rank_and_a_count_mismatch_is_an_error() -> None:
+    entry = {
+        "token_id": 5,
+        "logprob": -0.7,
+        "top_logprobs": [
+            {"token_id": 5, "logprob": -0.7},
+            {"token_id": 9, "logprob": -0.2},
+        ],
+    }
+    plain = {"choices": [{"token_ids": [6], "logprobs": {"content": [{"logprob": -1.0}]}}]}
+    with_top = {"choices": [{"token_ids": [5], "logprobs": {"content": [entry]}}]}
+    chunk, error = parse_events([json.dumps(plain).encode(), json.dumps(with_top).encode()])
+    assert error is None and chunk is not None
+    assert chunk.token_ids == [6, 5] and chunk.logprobs == [-1.0, -0.7]
+    assert chunk.top_logprobs == [[(9, -0.2), (5, -0.7)]]
+    bad = {"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"logprob": -1.0}]}}]}
+    chunk, error = parse_events([json.dumps(plain).encode(), json.dumps(bad).encode()])
+    assert chunk is not None and chunk.token_ids == [6]
+    assert error is not None and "2 tokens but 1 logprobs" in error.message
