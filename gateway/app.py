@@ -478,10 +478,13 @@ class Gateway:
             return event(deltas(d.content, d.reasoning), **extra) if d or extra else None
 
         try:
-            yield event({"role": "assistant", "content": ""})
+            # Events ready at the same moment go out in one write: the role and what the first
+            # tokens say; at the end, the rest, the finish, the usage and [DONE].
+            opening = event({"role": "assistant", "content": ""})
+            if primed and (update := progress()):
+                opening += update
+            yield opening
             if primed:
-                if update := progress():
-                    yield update
                 async with contextlib.aclosing(bursts(chunks)) as arrivals:
                     async for _ in arrivals:
                         if update := progress():
@@ -504,9 +507,8 @@ class Gateway:
                 for i, tc in enumerate(parsed.message.tool_calls)
             ]
         extra = logprobs_extra()
-        if tail or extra:
-            yield event(tail, **extra)
-        yield event({}, self._finish_reason(call, parsed.has_tool_calls))
+        closing = [event(tail, **extra)] if tail or extra else []
+        closing.append(event({}, self._finish_reason(call, parsed.has_tool_calls)))
         options = call.req.stream_options
         if options is not None and options.include_usage:
             usage = {
@@ -517,8 +519,9 @@ class Gateway:
                 "choices": [],
                 "usage": self._usage(call).model_dump(),
             }
-            yield b"data: " + orjson.dumps(usage) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            closing.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+        closing.append(b"data: [DONE]\n\n")
+        yield b"".join(closing)
 
     def sampling_for(
         self, req: ChatCompletionRequest | CompletionRequest, room: int

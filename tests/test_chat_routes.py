@@ -67,7 +67,7 @@ async def test_a_stream_whose_client_disconnects_stops(
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
-            if len(sent) == 4:  # the headers, the role event and two content events
+            if len(sent) == 4:  # the headers and three bursts of events
                 gone.set()
 
         scope = {
