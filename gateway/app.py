@@ -26,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
+from lockgate.gateway.chat_routes import ChatRoutes
 from lockgate.gateway.completions import complete
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.constraints import tool_call_constraint
@@ -37,6 +38,7 @@ from lockgate.gateway.errors import (
     unauthorized,
 )
 from lockgate.gateway.generation import CallGenerator, Sampled
+from lockgate.gateway.http1 import Http1Upstream
 from lockgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
@@ -46,6 +48,7 @@ from lockgate.gateway.rendering import (
     PreviousTurn,
     RenderedPrompt,
 )
+from lockgate.gateway.responses import error_response, internal_error, json_response
 from lockgate.gateway.samples import merge_calls
 from lockgate.gateway.schema import (
     AddReplica,
@@ -79,12 +82,6 @@ M = TypeVar("M", bound=BaseModel)
 SESSION_KEY_PREFIX = "lg-sk-"
 
 
-def _json(payload: Any, status_code: int = 200) -> Response:
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump(mode="json")
-    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
-
-
 @dataclass
 class Call:
     """A call being generated: what its record is made of."""
@@ -111,8 +108,13 @@ class Gateway:
         self.store = TrajectoryStore(config.db_path)
         self.renderer = ChatRenderer(config.model_dir, config.renderer)
         self._own_http = http is None
+        # The gateway's own stack sends generate requests with its minimal HTTP/1.1 client and
+        # admin calls through httpx on aiohttp; an injected client serves both.
+        self._upstream = Http1Upstream(max_connections=1024) if http is None else None
         self.http = http or httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024))
-        self.pool = ReplicaPool(config.replicas, self.http, version=config.initial_version)
+        self.pool = ReplicaPool(
+            config.replicas, self.http, upstream=self._upstream, version=config.initial_version
+        )
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
         initial = config.initial_weights or (
             str(config.model_dir) if config.initial_version == 0 else None
@@ -148,6 +150,8 @@ class Gateway:
         await self.pool.stop()
         if self._own_http:
             await self.http.aclose()
+        if self._upstream is not None:
+            await self._upstream.aclose()
         await self.store.flush()
         self.store.close()
 
@@ -219,7 +223,7 @@ class Gateway:
         await self.generate(call)
         parsed = self._parse(call)
         await self.record(call)
-        return _json(self._response(call, parsed.message, parsed.has_tool_calls))
+        return json_response(self._response(call, parsed.message, parsed.has_tool_calls))
 
     def _parse(
         self, call: _PreparedCall, parsed: ParsedCompletion | None = None
@@ -474,10 +478,13 @@ class Gateway:
             return event(deltas(d.content, d.reasoning), **extra) if d or extra else None
 
         try:
-            yield event({"role": "assistant", "content": ""})
+            # Events ready at the same moment go out in one write: the role and what the first
+            # tokens say; at the end, the rest, the finish, the usage and [DONE].
+            opening = event({"role": "assistant", "content": ""})
+            if primed and (update := progress()):
+                opening += update
+            yield opening
             if primed:
-                if update := progress():
-                    yield update
                 async with contextlib.aclosing(bursts(chunks)) as arrivals:
                     async for _ in arrivals:
                         if update := progress():
@@ -500,9 +507,8 @@ class Gateway:
                 for i, tc in enumerate(parsed.message.tool_calls)
             ]
         extra = logprobs_extra()
-        if tail or extra:
-            yield event(tail, **extra)
-        yield event({}, self._finish_reason(call, parsed.has_tool_calls))
+        closing = [event(tail, **extra)] if tail or extra else []
+        closing.append(event({}, self._finish_reason(call, parsed.has_tool_calls)))
         options = call.req.stream_options
         if options is not None and options.include_usage:
             usage = {
@@ -513,8 +519,9 @@ class Gateway:
                 "choices": [],
                 "usage": self._usage(call).model_dump(),
             }
-            yield b"data: " + orjson.dumps(usage) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            closing.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+        closing.append(b"data: [DONE]\n\n")
+        yield b"".join(closing)
 
     def sampling_for(
         self, req: ChatCompletionRequest | CompletionRequest, room: int
@@ -636,11 +643,13 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     app = FastAPI(title="lockgate gateway", lifespan=lifespan)
     app.state.gateway = gateway
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
+    # Outermost: chat calls are answered before FastAPI's own machinery (chat_routes.py).
+    app.add_middleware(ChatRoutes, gateway=gateway)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
         gateway.metrics.error(exc)
-        return _json(exc.body(), exc.status_code)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -648,20 +657,19 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         err = bad_request(f"{where}: {first['msg']}", param=where or None)
         gateway.metrics.error(err)
-        return _json(err.body(), 400)
+        return error_response(err)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> Response:
-        log.exception("internal error")
-        err = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        err = internal_error(exc)
         gateway.metrics.error(err)
-        return _json(err.body(), 500)
+        return error_response(err)
 
     def require_admin(request: Request) -> None:
         if _bearer(request.headers.get("authorization")) != config.admin_token:
             raise unauthorized("admin endpoints need 'Authorization: Bearer <admin token>'")
 
-    # -- agent API ------------------------------------------------------------------------------
+    # -- agent API (chat completions: ChatRoutes) ----------------------------------------------
 
     AgentHandler = Callable[[SessionRow, Request], Awaitable[Response]]
 
@@ -679,21 +687,17 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         app.post(f"/sessions/{{session_id}}{by_path}")(route_by_path)
         app.post(by_key)(route_by_key)
 
-    async def chat(session: SessionRow, request: Request) -> Response:
-        return await gateway.chat(session, await request.body())
-
     async def completion(session: SessionRow, request: Request) -> Response:
         raw = _parse_json(await request.body())
         req = _validate(CompletionRequest, raw)
-        return _json(await complete(gateway, session, raw, req))
+        return json_response(await complete(gateway, session, raw, req))
 
     async def agent_reward(session: SessionRow, request: Request) -> Response:
         # An agent in another process (any language) reports its own reward here.
         body = _validate(SetReward, _parse_json(await request.body()))
         await gateway.store.set_reward(session.id, body.reward)
-        return _json({"session_id": session.id, "reward": body.reward})
+        return json_response({"session_id": session.id, "reward": body.reward})
 
-    agent_route("/v1/chat/completions", "/v1/chat/completions", chat)
     agent_route("/v1/completions", "/v1/completions", completion)
     agent_route("/reward", "/v1/reward", agent_reward)
 
@@ -707,16 +711,18 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(models_payload())
+        return json_response(models_payload())
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str, request: Request) -> Response:
         gateway.session_by_path(session_id, request.headers.get("authorization"))
-        return _json(models_payload())
+        return json_response(models_payload())
 
     @app.get("/health")
     async def health() -> Response:
-        return _json({"status": "ok", "state": gateway.gate.state, "version": gateway.gate.version})
+        return json_response(
+            {"status": "ok", "state": gateway.gate.state, "version": gateway.gate.version}
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -728,20 +734,20 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     async def create_session(request: Request) -> Response:
         require_admin(request)
         body = _validate(CreateSession, _parse_json(await request.body()))
-        return _json(await gateway.create_session(body), 201)
+        return json_response(await gateway.create_session(body), 201)
 
     @app.get("/admin/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> Response:
         require_admin(request)
         gateway._require(session_id)
-        return _json(await gateway.store.get_session(session_id))
+        return json_response(await gateway.store.get_session(session_id))
 
     @app.post("/admin/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request) -> Response:
         require_admin(request)
         body = _validate(FinishSession, _parse_json(await request.body()))
         await gateway.finish_session(session_id, body)
-        return _json(await gateway.store.get_session(session_id))
+        return json_response(await gateway.store.get_session(session_id))
 
     @app.post("/admin/sessions/{session_id}/reward")
     async def set_reward(session_id: str, request: Request) -> Response:
@@ -749,57 +755,59 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         body = _validate(SetReward, _parse_json(await request.body()))
         gateway._require(session_id)
         await gateway.store.set_reward(session_id, body.reward)
-        return _json(await gateway.store.get_session(session_id))
+        return json_response(await gateway.store.get_session(session_id))
 
     @app.get("/admin/sessions/{session_id}/calls")
     async def get_calls(session_id: str, request: Request) -> Response:
         require_admin(request)
         gateway._require(session_id)
         calls = await gateway.store.get_calls(session_id)
-        return _json({"calls": [c.model_dump(mode="json") for c in calls]})
+        return json_response({"calls": [c.model_dump(mode="json") for c in calls]})
 
     @app.get("/admin/sessions/{session_id}/samples")
     async def get_samples(session_id: str, request: Request) -> Response:
         require_admin(request)
-        return _json(await gateway.samples(session_id))
+        return json_response(await gateway.samples(session_id))
 
     @app.get("/admin/status")
     async def status(request: Request) -> Response:
         require_admin(request)
-        return _json(gateway.status())
+        return json_response(gateway.status())
 
     @app.post("/admin/pause")
     async def pause(request: Request) -> Response:
         require_admin(request)
         body = _validate(PauseRequest, _parse_json(await request.body() or b"{}"))
         report = await gateway.sync.pause(body.mode, body.timeout_s)
-        return _json({**gateway.status().model_dump(mode="json"), "pause": report.model_dump()})
+        return json_response(
+            {**gateway.status().model_dump(mode="json"), "pause": report.model_dump()}
+        )
 
     @app.post("/admin/weights")
     async def load_weights(request: Request) -> Response:
         require_admin(request)
         body = _validate(LoadWeights, _parse_json(await request.body()))
-        return _json(await gateway.sync.load(body.source, body.version))
+        return json_response(await gateway.sync.load(body.source, body.version))
 
     @app.post("/admin/resume")
     async def resume(request: Request) -> Response:
         require_admin(request)
         body = _validate(ResumeRequest, _parse_json(await request.body()))
         await gateway.sync.resume(body.version)
-        return _json(gateway.status())
+        return json_response(gateway.status())
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> Response:
         require_admin(request)
         body = _validate(AddReplica, _parse_json(await request.body()))
         gateway.pool.add(body.url, gateway.gate.version if body.version is None else body.version)
-        return _json(gateway.status(), 201)
+        return json_response(gateway.status(), 201)
 
     @app.delete("/admin/replicas")
     async def remove_replica(request: Request, url: str) -> Response:
         require_admin(request)
         if not gateway.pool.remove(url):
             raise not_found(f"no replica '{url}'")
-        return _json(gateway.status())
+        return json_response(gateway.status())
 
     return app

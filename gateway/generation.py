@@ -74,13 +74,14 @@ class Sampled:
         del self.top_logprobs[n:]
 
     def spans(self) -> list[VersionSpan]:
-        out: list[VersionSpan] = []
+        # Runs found on plain ints first: a model per span, not an assignment per token.
+        runs: list[list[int]] = []  # [version, start, end]
         for i, v in enumerate(self.token_versions):
-            if out and out[-1].version == v and out[-1].end == i:
-                out[-1].end = i + 1
+            if runs and runs[-1][0] == v:
+                runs[-1][2] = i + 1
             else:
-                out.append(VersionSpan(version=v, start=i, end=i + 1))
-        return out
+                runs.append([v, i, i + 1])
+        return [VersionSpan(version=v, start=a, end=b) for v, a, b in runs]
 
 
 def _labelled_versions(chunk: ReplicaChunk, n: int) -> list[int] | None:

@@ -118,6 +118,18 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(_LiveState(status))
+        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def answered(self, route: str, status: int, seconds: float) -> None:
+        """One HTTP request answered: counted by route template and status, and timed."""
+        key = (route, status)
+        children = self._answered.get(key)
+        if children is None:
+            # Label lookups take the registry's lock and build a key: done once per label set.
+            children = (self.requests.labels(route, str(status)), self.latency.labels(route))
+            self._answered[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def error(self, exc: GatewayError) -> None:
         self.errors.labels(exc.code or exc.type).inc()
@@ -176,5 +188,4 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(path, str(status)).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+            self.metrics.answered(path, status, time.perf_counter() - started)

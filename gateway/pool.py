@@ -13,6 +13,7 @@ import httpx
 from lockgate.gateway.replica_client import ReplicaClient
 from lockgate.gateway.routing import ReplicaLoad, choose_replica
 from lockgate.gateway.schema import ReplicaStatus
+from lockgate.gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,14 @@ class ReplicaPool:
         urls: list[str],
         http: httpx.AsyncClient,
         *,
+        upstream: Upstream | None = None,
         version: int = 0,
         max_failures: int = 2,
         max_imbalance: int = 4,
         health_interval_s: float = 2.0,
     ) -> None:
         self._http = http
+        self._upstream = upstream  # generate requests (default: through `http`)
         self._replicas: dict[str, _Replica] = {}
         self._initial_version = version
         for url in urls:
@@ -51,7 +54,7 @@ class ReplicaPool:
         self._health_task: asyncio.Task[None] | None = None
 
     def add(self, url: str, version: int | None = None) -> ReplicaClient:
-        client = ReplicaClient(url, self._http)
+        client = ReplicaClient(url, self._http, self._upstream)
         replica = self._replicas.setdefault(
             client.url,
             _Replica(client, version=self._initial_version if version is None else version),

@@ -18,6 +18,7 @@ import renderers
 from transformers import AutoTokenizer
 
 from lockgate.gateway.schema import AssistantMessage, ChatMessage, FunctionCall, ToolCall, ToolSpec
+from lockgate.gateway.tokenizer import fast_tokenizer
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,18 @@ class ParsedCompletion:
 
 class ChatRenderer:
     def __init__(self, model_dir: Path | str, renderer_name: str = "qwen3") -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
+        # Everything that tokenizes on the request path (the renderer included) uses the Rust
+        # tokenizer directly: same ids, a fraction of transformers' cost (gateway/tokenizer.py).
+        self.tokenizer = fast_tokenizer(hf)
         config = renderers.config_from_name(renderer_name)
         self._renderer = renderers.create_renderer(self.tokenizer, config)
         self.stop_token_ids: list[int] = list(self._renderer.get_stop_token_ids())
         # Added tokens (chat markers such as <tool_call>, </think>): text -> id.
-        self.special_tokens: dict[str, int] = dict(self.tokenizer.get_added_vocab())
-        opener = self.tokenizer.convert_tokens_to_ids("<tool_call>")
+        self.special_tokens: dict[str, int] = dict(hf.get_added_vocab())
+        opener = hf.convert_tokens_to_ids("<tool_call>")
         self.tool_call_start_id: int | None = (
-            opener if isinstance(opener, int) and opener != self.tokenizer.unk_token_id else None
+            opener if isinstance(opener, int) and opener != hf.unk_token_id else None
         )
 
     def render_prompt(

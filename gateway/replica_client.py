@@ -7,7 +7,6 @@ so the gateway owns rendering and the replica never re-tokenizes. Admin endpoint
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,16 +14,13 @@ from typing import Any
 import httpx
 import orjson
 
-from lockgate.gateway.errors import GatewayError
+from lockgate.gateway.errors import GatewayError, upstream_failed
+from lockgate.gateway.upstream import HttpxUpstream, ReplicaUnavailable, Upstream
+
+__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "parse_events"]
 
 # Generation may legitimately run for minutes; admin calls must not hang a sync.
 _ADMIN_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
-_GENERATE_TIMEOUT = httpx.Timeout(None, connect=5.0)
-_JSON_HEADERS = {"content-type": "application/json"}
-
-
-class ReplicaUnavailable(Exception):
-    """The replica could not be reached (connection refused, reset, timed out)."""
 
 
 @dataclass(frozen=True)
@@ -41,81 +37,111 @@ class ReplicaChunk:
 
 
 def _replica_error(status: int, text: str) -> GatewayError:
-    return GatewayError(
-        502,
-        f"replica rejected the request: HTTP {status}: {text[:300]}",
-        type="upstream_error",
-        code="replica_error",
-    )
+    return upstream_failed(f"replica rejected the request: HTTP {status}: {text[:300]}")
 
 
-def parse_chunk(payload: dict[str, Any]) -> ReplicaChunk | None:
-    """A `/inference/v1/generate` SSE payload as a chunk; None for a choice-less usage chunk."""
-    if "error" in payload:
-        raise GatewayError(
-            502,
-            f"replica failed the request: {payload['error']}",
-            type="upstream_error",
-            code="replica_error",
-        )
-    choices = payload.get("choices") or []
-    if not choices:
-        return None
-    choice = choices[0]
-    token_ids: list[int] = choice.get("token_ids") or []
-    content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [float(entry["logprob"]) for entry in content]
-    if len(logprobs) != len(token_ids):
-        raise GatewayError(
-            502,
-            f"replica returned {len(token_ids)} tokens but {len(logprobs)} logprobs",
-            type="upstream_error",
-            code="replica_error",
-        )
-    top = None
-    if any(entry.get("top_logprobs") for entry in content):
-        # vLLM lists the sampled token first, then the candidates; OpenAI wants them by rank.
-        top = [
-            sorted(
-                ((int(c["token_id"]), float(c["logprob"])) for c in entry.get("top_logprobs", [])),
-                key=lambda c: -c[1],
+def parse_events(payloads: list[bytes]) -> tuple[ReplicaChunk | None, GatewayError | None]:
+    """`/inference/v1/generate` SSE payloads that arrived together, as one chunk (None if they
+    carry no choice: `[DONE]`, usage), and the error that ended them if one did: the tokens
+    before an error are still returned, so the call keeps them.
+
+    One pass per token and no object per event: at one event per token this runs for every
+    token the gateway serves.
+    """
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    top: list[list[tuple[int, float]]] | None = None
+    finish: str | None = None
+    versions: list[dict[str, Any]] | None = None
+    seen = False
+    for data in payloads:
+        if data == b"[DONE]":
+            continue
+        payload = orjson.loads(data)
+        if "error" in payload:
+            error = upstream_failed(f"replica failed the request: {payload['error']}")
+            return _chunk(seen, token_ids, logprobs, finish, versions, top), error
+        choices = payload.get("choices")
+        if not choices:
+            continue
+        seen = True
+        choice = choices[0]
+        ids = choice.get("token_ids") or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(ids):
+            error = upstream_failed(
+                f"replica returned {len(ids)} tokens but {len(content)} logprobs"
             )
-            for entry in content
-        ]
-    return ReplicaChunk(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        finish_reason=choice.get("finish_reason"),
-        weight_versions=choice.get("weight_versions"),
-        top_logprobs=top,
-    )
+            return _chunk(seen, token_ids, logprobs, finish, versions, top), error
+        token_ids += ids
+        has_top = False
+        for entry in content:
+            logprobs.append(float(entry["logprob"]))
+            if entry.get("top_logprobs"):
+                has_top = True
+        if has_top:
+            # vLLM lists the sampled token first, then the candidates; OpenAI wants them by rank.
+            top = (top or []) + [
+                sorted(
+                    (
+                        (int(c["token_id"]), float(c["logprob"]))
+                        for c in entry.get("top_logprobs", [])
+                    ),
+                    key=lambda c: -c[1],
+                )
+                for entry in content
+            ]
+        if (reason := choice.get("finish_reason")) is not None:
+            finish, versions = reason, choice.get("weight_versions")
+    return _chunk(seen, token_ids, logprobs, finish, versions, top), None
 
 
-async def _sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE body, as bytes (orjson parses bytes; decoding every line
-    to text first, as `aiter_lines` does, is a measurable share of a call)."""
+def _chunk(
+    seen: bool,
+    token_ids: list[int],
+    logprobs: list[float],
+    finish: str | None,
+    versions: list[dict[str, Any]] | None,
+    top: list[list[tuple[int, float]]] | None,
+) -> ReplicaChunk | None:
+    if not seen:
+        return None
+    return ReplicaChunk(token_ids, logprobs, finish, versions, top)
+
+
+async def _sse_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of an SSE body, as bytes, grouped by the read that completed them.
+
+    Payloads that arrive together are handled together: a gateway that falls behind a replica
+    then pays the per-chunk cost of the call (generator steps, stop scans, stream updates) once
+    per read rather than once per token. orjson parses bytes, so no line is decoded to text.
+    """
     buffer = b""
-    async for piece in resp.aiter_bytes():
+    async for piece in pieces:
         buffer += piece
+        if b"\n" not in piece:
+            continue
         *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
+        batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+        if batch:
+            yield batch
     if buffer.startswith(b"data:"):
-        yield buffer[5:].strip()
+        yield [buffer[5:].strip()]
 
 
 class ReplicaClient:
-    def __init__(self, url: str, http: httpx.AsyncClient) -> None:
+    def __init__(self, url: str, http: httpx.AsyncClient, upstream: Upstream | None = None) -> None:
         self.url = url.rstrip("/")
         self._http = http
-        self._generate_url = httpx.URL(f"{self.url}/inference/v1/generate")
+        self._upstream = upstream or HttpxUpstream(http)
+        self._generate_url = f"{self.url}/inference/v1/generate"
 
     async def generate_stream(
         self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str
     ) -> AsyncIterator[ReplicaChunk]:
         """Stream one generation. Always streamed, so that the tokens received before a replica
-        dies are kept; closing the iterator early aborts the request in vLLM."""
+        dies are kept; closing the iterator early aborts the request in vLLM. Chunks that
+        arrive in one read come as one."""
         body = {
             "token_ids": prompt_ids,
             # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
@@ -123,38 +149,24 @@ class ReplicaClient:
             "request_id": request_id,
             "stream": True,
         }
-        # Built by hand from a URL parsed once: `AsyncClient.stream` would re-parse and merge
-        # the URL and encode the JSON with the stdlib on every call of the hot path.
-        request = httpx.Request(
-            "POST",
-            self._generate_url,
-            content=orjson.dumps(body),
-            headers=_JSON_HEADERS,
-            extensions={"timeout": _GENERATE_TIMEOUT.as_dict()},
-        )
         finished = False
-        try:
-            async with contextlib.aclosing(await self._http.send(request, stream=True)) as resp:
-                if resp.status_code >= 500:
-                    text = (await resp.aread()).decode(errors="replace")
-                    raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status_code}: {text[:300]}")
-                if resp.status_code != 200:
-                    raise _replica_error(
-                        resp.status_code, (await resp.aread()).decode(errors="replace")
-                    )
-                async for data in _sse_data(resp):
-                    if data == b"[DONE]":
-                        # Read on to the end of the body rather than stop here: a response
-                        # closed before its last (empty) chunk cannot go back to the pool, and a
-                        # new connection per call costs more than the rest of the call.
-                        continue
-                    chunk = parse_chunk(orjson.loads(data))
-                    if chunk is None:
-                        continue
-                    finished = chunk.finish_reason is not None
+        async with self._upstream.post_stream(self._generate_url, orjson.dumps(body)) as resp:
+            if resp.status >= 500:
+                text = (await resp.read()).decode(errors="replace")
+                raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status}: {text[:300]}")
+            if resp.status != 200:
+                raise _replica_error(resp.status, (await resp.read()).decode(errors="replace"))
+            async for batch in _sse_batches(resp.pieces()):
+                # A `[DONE]` is read past rather than ended on: a response closed before its
+                # last (empty) chunk cannot go back to the pool, and a new connection per call
+                # costs more than the rest of the call.
+                chunk, error = parse_events(batch)
+                if chunk is not None:
+                    if chunk.finish_reason is not None:
+                        finished = True
                     yield chunk
-        except httpx.TransportError as exc:
-            raise ReplicaUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+                if error is not None:
+                    raise error
         if not finished:
             raise ReplicaUnavailable(f"{self.url}: the stream ended without a finish reason")
 

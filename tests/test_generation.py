@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.generation import CallGenerator
 from lockgate.gateway.pause import PauseGate, Segment
 from lockgate.gateway.pool import ReplicaPool
+from lockgate.gateway.replica_client import ReplicaChunk, ReplicaClient, parse_events
 
 TOKENS = [5, 6, 7]
 
@@ -112,3 +114,72 @@ async def test_a_burst_of_new_sessions_is_spread_over_the_replicas() -> None:
         pool.forget_session("s0")
         pool.forget_session("s2")
         assert pool.pick("new", 0).url == "http://a"  # type: ignore[union-attr]
+
+
+def _event(payload: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _token(token: int, finish: str | None = None, **extra: object) -> bytes:
+    choice = {
+        "token_ids": [token],
+        "logprobs": {"content": [{"token_id": token, "logprob": -float(token)}]},
+        "finish_reason": finish,
+        **extra,
+    }
+    return _event({"choices": [choice]})
+
+
+async def _chunks(body: bytes) -> tuple[list[ReplicaChunk], BaseException | None]:
+    """What a replica client yields for an upstream body sent as one piece, and how it ends."""
+    transport = httpx.MockTransport(lambda _: httpx.Response(200, content=body))
+    out: list[ReplicaChunk] = []
+    async with httpx.AsyncClient(transport=transport) as http:
+        try:
+            async for chunk in ReplicaClient("http://replica", http).generate_stream([1], {}, "r"):
+                out.append(chunk)
+        except Exception as exc:
+            return out, exc
+    return out, None
+
+
+async def test_events_that_arrive_together_are_one_chunk() -> None:
+    labels = [{"version": 3, "start": 0, "end": 3}]
+    body = _token(5) + _token(6) + _token(7, "stop", weight_versions=labels) + b"data: [DONE]\n\n"
+    chunks, error = await _chunks(body)
+    assert error is None
+    assert chunks == [
+        ReplicaChunk(
+            token_ids=[5, 6, 7],
+            logprobs=[-5.0, -6.0, -7.0],
+            finish_reason="stop",
+            weight_versions=labels,
+        )
+    ]
+
+
+async def test_an_error_event_keeps_the_tokens_that_came_before_it() -> None:
+    chunks, error = await _chunks(_token(5) + _token(6) + _event({"error": "engine died"}))
+    assert [c.token_ids for c in chunks] == [[5, 6]]
+    assert isinstance(error, GatewayError) and "engine died" in error.message
+
+
+def test_top_logprobs_come_by_rank_and_a_count_mismatch_is_an_error() -> None:
+    entry = {
+        "token_id": 5,
+        "logprob": -0.7,
+        "top_logprobs": [
+            {"token_id": 5, "logprob": -0.7},
+            {"token_id": 9, "logprob": -0.2},
+        ],
+    }
+    plain = {"choices": [{"token_ids": [6], "logprobs": {"content": [{"logprob": -1.0}]}}]}
+    with_top = {"choices": [{"token_ids": [5], "logprobs": {"content": [entry]}}]}
+    chunk, error = parse_events([json.dumps(plain).encode(), json.dumps(with_top).encode()])
+    assert error is None and chunk is not None
+    assert chunk.token_ids == [6, 5] and chunk.logprobs == [-1.0, -0.7]
+    assert chunk.top_logprobs == [[(9, -0.2), (5, -0.7)]]
+    bad = {"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"logprob": -1.0}]}}]}
+    chunk, error = parse_events([json.dumps(plain).encode(), json.dumps(bad).encode()])
+    assert chunk is not None and chunk.token_ids == [6]
+    assert error is not None and "2 tokens but 1 logprobs" in error.message
