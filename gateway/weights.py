@@ -90,6 +90,7 @@ class DiskTransport(WeightTransport):
             return False
         results = answer.get("results") if isinstance(answer, dict) else None
         if results and all(isinstance(r, dict) and r.get("loaded") for r in results):
+            log.info("%s: loaded %s directly %s", replica.url, self.path, results)
             return True
         # Nothing was changed: the snapshot does not map onto the model one to one.
         log.warning("%s: direct load refused (%s); reload_weights", replica.url, results)
