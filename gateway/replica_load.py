@@ -95,6 +95,10 @@ def _is_packed(module: nn.Module, param: torch.Tensor, leaf: str) -> bool:
 
 def plan_load(model: nn.Module, snap: Snapshot) -> _Plan:
     params = dict(model.named_parameters())
+    if any(p.is_meta for p in params.values()):
+        # A reload_weights that failed part way leaves layers on the meta device with its
+        # loaders wrapped around them; only reload_weights can finish that.
+        raise SnapshotMismatch("the model is mid-way through a failed reload_weights")
     groups = _group(model, snap)
     unknown = sorted(set(groups) - set(params))
     if unknown:
