@@ -99,7 +99,7 @@ def build_big_model(tiny: Path, out: Path) -> Path:
 
 @contextlib.contextmanager
 def stack(
-    model_dir: Path, replicas: int, work: Path, eager: bool = False
+    model_dir: Path, replicas: int, work: Path, eager: bool = False, direct: bool = True
 ) -> Iterator[tuple[str, GatewayProcess]]:
     replica_set = LocalReplicaSet(
         ReplicaLaunchConfig(
@@ -111,6 +111,10 @@ def stack(
             # changes how fast it generates, not how its weights load.
             extra_args=["--enforce-eager"] if eager else [],
             startup_timeout_s=900,
+            # direct=False: replicas as they were before the direct load (reload_weights,
+            # glibc's default allocator settings), for the comparison.
+            snapshot_load=direct,
+            keep_freed_memory=direct,
         )
     )
     with replica_set:
@@ -249,32 +253,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=32, help="calls kept in flight")
     parser.add_argument("--big-syncs", type=int, default=5, help="syncs of the ~0.5B model")
     parser.add_argument("--skip-big", action="store_true")
+    parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument(
+        "--big-load",
+        choices=("direct", "reload_weights", "both"),
+        default="direct",
+        help="how the 0.5B replica loads: the direct load (default) or vLLM's reload_weights",
+    )
     args = parser.parse_args(argv)
 
     RESULTS.mkdir(exist_ok=True)
     tiny = ensure_tiny_model()
-    results: dict[str, Any] = {}
+    out = RESULTS / "weight_sync.json"
+    # A partial run (--skip-tiny / --skip-big) keeps the other parts' last figures.
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     with tempfile.TemporaryDirectory(prefix="lockgate-sync-bench-") as tmp:
         work = Path(tmp)
-        print(f"tiny model, 2 replicas, {args.agents} agents, {args.syncs} syncs", flush=True)
-        (work / "tiny").mkdir()
-        with stack(tiny, 2, work / "tiny") as (url, _):
-            rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8)))
-        nbytes = snapshot_bytes(tiny)
-        results["tiny"] = summarize(rows, nbytes, memcpy_gbps(nbytes))
-        plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
+        if not args.skip_tiny:
+            print(f"tiny model, 2 replicas, {args.agents} agents, {args.syncs} syncs", flush=True)
+            (work / "tiny").mkdir()
+            with stack(tiny, 2, work / "tiny") as (url, _):
+                rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8)))
+            nbytes = snapshot_bytes(tiny)
+            results["tiny"] = summarize(rows, nbytes, memcpy_gbps(nbytes))
+            plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
 
         if not args.skip_big:
             big = build_big_model(tiny, Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b")
             nbytes = snapshot_bytes(big)
-            gbps = memcpy_gbps(nbytes)
-            print(f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica, 4 agents", flush=True)
-            (work / "big").mkdir()
-            with stack(big, 1, work / "big", eager=True) as (url, _):
-                rows = asyncio.run(run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0)))
-            results["big"] = summarize(rows, nbytes, gbps)
+            loads = ["direct", "reload_weights"] if args.big_load == "both" else [args.big_load]
+            for load in loads:
+                print(f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica, 4 agents, {load}")
+                (work / f"big-{load}").mkdir()
+                with stack(big, 1, work / f"big-{load}", True, load == "direct") as (url, _):
+                    rows = asyncio.run(run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0)))
+                # Measured right after the loads: the machine is shared and its load moves.
+                gbps = memcpy_gbps(nbytes)
+                key = "big" if load == "direct" else "big_reload_weights"
+                results[key] = {
+                    **summarize(rows, nbytes, gbps),
+                    "load_ms_each": [round(1e3 * r["load_s"]) for r in rows],
+                    "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+                }
 
-    (RESULTS / "weight_sync.json").write_text(json.dumps(results, indent=2))
+    out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
 

@@ -3,7 +3,8 @@
 Every replica runs with `VLLM_SERVER_DEV_MODE=1`, which is what exposes the RL endpoints the
 gateway needs on vLLM 0.32 (`/pause`, `/resume`, `/collective_rpc` for `reload_weights`,
 `/update_weight_version`, `/weight_info`); no further server flag is needed for those on CPU.
-`--enable-scale-out` adds the token-in/token-out `/inference/v1/generate` route.
+`--enable-scale-out` adds the token-in/token-out `/inference/v1/generate` route, and
+`--worker-extension-cls` the direct snapshot load (gateway/replica_load.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lockgate.coordinator.processes import free_port, log_tail, spawn, terminate
+from lockgate.gateway.weights import SNAPSHOT_LOAD_EXTENSION
 
 _POLL_S = 0.5
+# No allocation straight from mmap (large ones would go back to the system when freed), and
+# no trimming of the heap's free top (up to 64 GiB).
+_KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 _STOP_GRACE_S = 15.0
 _GROUP_EXIT_S = 5.0
 
@@ -49,6 +54,15 @@ class ReplicaLaunchConfig(BaseModel):
     startup_timeout_s: float = Field(default=300.0, gt=0)
     log_dir: Path
     extra_args: list[str] = Field(default_factory=list)
+    # The worker extension that loads disk snapshots directly (gateway/replica_load.py);
+    # without it the gateway loads them with vLLM's reload_weights.
+    snapshot_load: bool = True
+    # glibc keeps memory freed by the process for reuse instead of returning it to the
+    # system: a weight load replaces ~all of the model's packed weights, and memory taken
+    # fresh from the system costs a page fault per 4 KiB, most of a load's time here (what
+    # vLLM's advice to preload tcmalloc on CPU is about). The replica's footprint stays at
+    # its peak instead of shrinking between loads.
+    keep_freed_memory: bool = True
 
     @model_validator(mode="after")
     def _enough_binds(self) -> Self:
@@ -135,6 +149,7 @@ class LocalReplicaSet:
             "--max-model-len",
             str(c.max_model_len),
             "--enable-scale-out",
+            *(["--worker-extension-cls", SNAPSHOT_LOAD_EXTENSION] if c.snapshot_load else []),
             *c.extra_args,
         ]
 
@@ -148,6 +163,7 @@ class LocalReplicaSet:
             "VLLM_CPU_OMP_THREADS_BIND": cpu_bind,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            **(_KEEP_FREED_MEMORY if self.config.keep_freed_memory else {}),
         }
 
     def _ports(self) -> list[int]:

@@ -135,6 +135,8 @@ class ReplicaClient:
         self._http = http
         self._upstream = upstream or HttpxUpstream(http)
         self._generate_url = f"{self.url}/inference/v1/generate"
+        # Whether the replica loads disk snapshots directly (None: not asked yet; weights.py).
+        self.snapshot_load: bool | None = None
 
     async def generate_stream(
         self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str

@@ -1,8 +1,12 @@
 """How new weights reach a replica: one small interface, one class per transport.
 
 - `disk` (default; works everywhere, CPU included): the trainer publishes a safetensors
-  snapshot atomically (written aside, renamed into place); each replica reloads it in place
-  with vLLM's `reload_weights`.
+  snapshot atomically (written aside, renamed into place); each replica loads it in place.
+  A replica started with `--worker-extension-cls lockgate.gateway.replica_load.SnapshotLoad`
+  (the launcher adds it) loads it directly: each tensor is read once from the page cache and
+  only the layers vLLM-CPU repacks are processed again (`replica_load.py` says why that is
+  faster). Any other replica, or a snapshot that does not map onto the model one to one,
+  goes through vLLM's own `reload_weights`.
 - `nccl` (GPU clusters): vLLM's native weight-transfer API. The gateway only drives the
   replica side (`/start_weight_update`, `/update_weights`, `/finish_weight_update`); the
   trainer broadcasts the tensors over the NCCL group both joined at start-up. It needs CUDA and
@@ -17,6 +21,7 @@ back to verify the replica really serves the new version.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,6 +29,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
+
+log = logging.getLogger(__name__)
+
+# The worker extension behind the direct load (gateway/replica_load.py) and its RPC methods.
+SNAPSHOT_LOAD_EXTENSION = "lockgate.gateway.replica_load.SnapshotLoad"
+_READY_METHOD = "lockgate_snapshot_load_ready"
+_LOAD_METHOD = "lockgate_load_snapshot"
 
 
 class DiskWeights(BaseModel):
@@ -58,9 +70,50 @@ class DiskTransport(WeightTransport):
         # A missing snapshot is the same failure on every replica: say so before asking them.
         if not (Path(self.path) / "config.json").is_file():
             raise ReplicaUnavailable(f"no HF snapshot at {self.path} (config.json missing)")
+        if await _has_snapshot_load(replica) and await self._load_directly(replica):
+            return
         await replica.call_admin(
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.path}}
         )
+
+    async def _load_directly(self, replica: ReplicaClient) -> bool:
+        """True once loaded; False where reload_weights must do it (said why in the log)."""
+        try:
+            answer = await replica.call_admin(
+                "/collective_rpc", {"method": _LOAD_METHOD, "args": [self.path]}
+            )
+        except ReplicaUnavailable as exc:
+            if not await replica.healthy():
+                raise
+            # Failed part way, perhaps: reload_weights rewrites every weight anyway.
+            log.warning("%s: direct load failed (%s); reload_weights", replica.url, exc)
+            return False
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if results and all(isinstance(r, dict) and r.get("loaded") for r in results):
+            log.info("%s: loaded %s directly %s", replica.url, self.path, results)
+            return True
+        # Nothing was changed: the snapshot does not map onto the model one to one.
+        log.warning("%s: direct load refused (%s); reload_weights", replica.url, results)
+        return False
+
+
+async def _has_snapshot_load(replica: ReplicaClient) -> bool:
+    """Whether the replica runs the snapshot-load extension (asked once per replica)."""
+    if replica.snapshot_load is None:
+        try:
+            answer = await replica.call_admin("/collective_rpc", {"method": _READY_METHOD})
+        except ReplicaUnavailable as exc:
+            # vLLM answers 500 for a method no worker has; a replica that is down fails the
+            # load that follows anyway, so this is asked again next time.
+            if not await replica.healthy():
+                raise
+            log.info("%s: no snapshot-load extension (%s); reload_weights", replica.url, exc)
+            answer = None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        replica.snapshot_load = bool(results) and all(
+            isinstance(r, dict) and r.get("ready") is True for r in results
+        )
+    return replica.snapshot_load
 
 
 class NcclTransport(WeightTransport):

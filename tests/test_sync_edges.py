@@ -61,7 +61,11 @@ class SlowReplica:
         elif path == "/weight_info":
             return httpx.Response(200, json={"weight_version": self.label})
         elif path == "/collective_rpc":
-            weights = json.loads(request.content)["kwargs"]["weights_path"]
+            rpc = json.loads(request.content)
+            if rpc["method"] != "reload_weights":
+                # As vLLM answers a method no worker has (no snapshot-load extension here).
+                return httpx.Response(500, text="Internal Server Error")
+            weights = rpc["kwargs"]["weights_path"]
             if weights in self.fail_loads_from:
                 return httpx.Response(500, json={"error": f"cannot load {weights}"})
             self.loads.append(weights)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -225,6 +226,40 @@ async def test_tokens_before_a_sync_carry_the_old_version_and_after_it_the_new(
         assert after_old > 0.1
     finally:
         await gw.sync(tiny_model_dir, version + 1)  # later tests expect the original weights
+
+
+async def test_a_direct_load_serves_exactly_the_trainers_new_weights_on_every_replica(
+    gw: Gw, tiny_model_dir: Path, perturbed_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk transport's direct load (gateway/replica_load.py), not reload_weights: after
+    it every replica's greedy tokens and logprobs are the trainer's forward pass on the new
+    weights."""
+    prompt = [5, 17, 300, 42, 7, 99, 100, 3, 250, 11]
+    n = 24
+    version = gw.gateway.gate.version
+    caplog.set_level(logging.INFO, logger="lockgate.gateway.weights")
+    try:
+        await gw.sync(perturbed_model_dir, version + 1)
+        assert all(c.snapshot_load is True for c in gw.gateway.pool.clients)
+        assert not [r.message for r in caplog.records if "reload_weights" in r.message]
+        for client in gw.gateway.pool.clients:
+            tokens: list[int] = []
+            got: list[float] = []
+            sampling = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+            async for chunk in client.generate_stream(prompt, sampling, f"direct-{client.url}"):
+                tokens += chunk.token_ids
+                got += chunk.logprobs
+            assert len(tokens) == n
+            seq = prompt + tokens
+            new_lp = logprobs_from_dir(perturbed_model_dir, [seq])[0][-n:]
+            old_lp = logprobs_from_dir(tiny_model_dir, [seq])[0][-n:]
+            to_new = max(abs(a - b) for a, b in zip(new_lp, got, strict=True))
+            to_old = max(abs(a - b) for a, b in zip(old_lp, got, strict=True))
+            print(f"\n{client.url}: vs new weights {to_new:.1e}, vs old {to_old:.1e}")
+            assert to_new < 1e-3
+            assert to_old > 0.1
+    finally:
+        await gw.sync(tiny_model_dir, version + 2)  # later tests expect the original weights
 
 
 async def _agent(

@@ -1,0 +1,103 @@
+"""Safetensors snapshots opened as zero-copy views of the file (read by a replica's worker).
+
+Every tensor of a file is a view of one mmap of it, so tensors stored next to each other can
+be read as one (a fused `gate_up_proj` from adjacent `gate_proj` and `up_proj`) without a
+copy, and a snapshot the trainer has just written is read straight from the page cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass
+class StoredTensor:
+    file: int  # index into Snapshot.files
+    start: int  # byte offset in that file
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Snapshot:
+    """The tensors of every `*.safetensors` file in a directory; close() when done."""
+
+    files: list[torch.Tensor] = field(default_factory=list)  # each file as one uint8 tensor
+    tensors: dict[str, StoredTensor] = field(default_factory=dict)
+    _maps: list[mmap.mmap] = field(default_factory=list)
+
+    def read(self, stored: StoredTensor) -> torch.Tensor:
+        return self.view(stored, stored.end, stored.shape)
+
+    def view(self, first: StoredTensor, end: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The bytes from `first`'s start to `end` as a tensor of `shape` (no copy)."""
+        raw = self.files[first.file][first.start : end]
+        if first.start % first.dtype.itemsize:  # safetensors aligns data; copy if not
+            raw = raw.clone()
+        return raw.view(first.dtype).view(shape)
+
+    def adjacent(self, parts: list[StoredTensor]) -> bool:
+        """Whether the tensors follow each other in one file, in this order, without a gap."""
+        return all(
+            a.file == b.file and a.end == b.start and a.dtype == b.dtype
+            for a, b in itertools.pairwise(parts)
+        )
+
+    def close(self) -> None:
+        self.files.clear()
+        for m in self._maps:
+            m.close()
+        self._maps.clear()
+
+
+def open_snapshot(path: Path) -> Snapshot:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    snap = Snapshot()
+    for index, file in enumerate(files):
+        with file.open("rb") as f:
+            # A private mapping is writable as far as torch can tell (no warning for a
+            # read-only buffer) and nothing here writes to it, so it stays the page cache.
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        snap._maps.append(m)
+        (header_len,) = struct.unpack("<Q", m[:8]) if len(m) >= 8 else (len(m),)
+        if 8 + header_len > len(m):
+            m.close()
+            snap.close()
+            raise ValueError(f"{file} is not a safetensors file (header past its end)")
+        header = json.loads(m[8 : 8 + header_len])
+        base = 8 + header_len
+        snap.files.append(torch.frombuffer(m, dtype=torch.uint8))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in _DTYPES:
+                snap.close()
+                raise ValueError(f"{file}: {name} has unsupported dtype {entry['dtype']}")
+            begin, end = entry["data_offsets"]
+            snap.tensors[name] = StoredTensor(
+                index, base + begin, base + end, _DTYPES[entry["dtype"]], tuple(entry["shape"])
+            )
+    return snap
