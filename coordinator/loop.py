@@ -346,6 +346,8 @@ class TrainingLoop:
             **{f"count/{k}": v for k, v in self._counters.items()},
         }
         self.metrics.write(record)
+        # Only now may the trainer checkpoint this step: a checkpoint implies this record.
+        self.trainer.commit(step)
         return reward_mean
 
     def _overlaps_sync(self, step: int) -> bool:

@@ -6,8 +6,10 @@ not one number: the line of step k records the next serial to dispatch and the s
 were dispatched but neither trained nor dropped yet (in flight or buffered), besides the
 serials step k trains and those dropped since the previous line.
 
-The line of step k is written before step k's batch goes to the trainer, so whenever the
-trainer holds a checkpoint of step k, the line exists. On `--resume` the loop continues from
+The line of step k is written before step k's batch goes to the trainer, and its metrics record
+before the loop commits step k to the trainer, which checkpoints a step only once committed
+(see `lockgate.trainer.protocol`): whenever the trainer holds a checkpoint of step k, both
+exist. On `--resume` the loop continues from
 the line of the trainer's checkpoint step: the groups pending there are dispatched again
 first (their partial rollouts are abandoned, never trained, so no task is skipped or
 trained twice), then dispatch goes on from the cursor. Lines and metrics of later steps,

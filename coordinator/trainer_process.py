@@ -38,7 +38,7 @@ class TrainerProcess:
         # A fresh protocol state: stale batches or a STOP from an earlier run would confuse ranks.
         for name in ("batches", "results"):
             shutil.rmtree(self.run_dir / name, ignore_errors=True)
-        for name in (protocol.STOP, protocol.READY):
+        for name in (protocol.STOP, protocol.READY, protocol.COMMITTED):
             (self.run_dir / name).unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
@@ -100,6 +100,14 @@ class TrainerProcess:
         # The batch is consumed: drop it so a long run does not fill the disk with JSON.
         protocol.batch_path(self.run_dir, batch.step).unlink(missing_ok=True)
         return StepResult.model_validate_json(result.read_text())
+
+    def commit(self, step: int) -> None:
+        """Say that everything about steps <= `step` is recorded: their checkpoint may be written.
+
+        A checkpoint due at step k waits for this, so a resume never starts after a step whose
+        records a kill lost.
+        """
+        protocol.write_atomic(self.run_dir / protocol.COMMITTED, f"{step}\n")
 
     def stop(self, grace_s: float = 20.0) -> None:
         proc, self._proc = self._proc, None

@@ -97,8 +97,9 @@ class FakeGateway:
 
 
 class FakeTrainer:
-    def __init__(self) -> None:
+    def __init__(self, metrics_path: Path) -> None:
         self.steps: list[int] = []
+        self.metrics_path = metrics_path
 
     def snapshot_dir(self, step: int) -> Path:
         return Path(f"/weights/step_{step}")
@@ -107,6 +108,11 @@ class FakeTrainer:
         self.steps.append(batch.step)
         await asyncio.sleep(0.01)
         return StepResult(step=batch.step, weights_dir=f"/w/{batch.step}", metrics={})
+
+    def commit(self, step: int) -> None:
+        # What makes a checkpoint of `step` safe to resume from: its record is already on disk.
+        assert step == self.steps[-1], "a step is committed right after it trained"
+        assert read_metrics(self.metrics_path)[-1]["step"] == step
 
 
 class FakeEnv:
@@ -138,7 +144,8 @@ def _loop(tmp_path: Path, steps: int, eta: int, resume: LoopState | None = None,
     config = LoopSection(steps=steps, groups_per_step=3, group_size=2, max_staleness=eta)
     metrics = MetricsLog(tmp_path / "metrics.jsonl", steps, stream=io.StringIO())
     loop = TrainingLoop(
-        config, FakeEnv(gateway, seed), gateway, FakeTrainer(), metrics,  # type: ignore[arg-type]
+        config, FakeEnv(gateway, seed), gateway, FakeTrainer(tmp_path / "metrics.jsonl"),
+        metrics,  # type: ignore[arg-type]
         state_path=tmp_path / STATE_FILE, resume=resume,
     )  # fmt: skip
     return loop, gateway

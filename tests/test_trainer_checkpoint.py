@@ -157,6 +157,8 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
         expected: list[StepResult] = [await straight.train_step(_batch(k)) for k in (1, 2, 3)]
     finally:
         straight.stop()
+    # Step 2 was due but never committed before step 3's batch came: it must not be written.
+    assert list_checkpoints(protocol.checkpoints_dir(straight_dir)) == []
 
     run_dir = tmp_path / "interrupted"
     first = TrainerProcess(config, run_dir, run_dir / "trainer.log")
@@ -164,8 +166,9 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
     try:
         assert first.resumed_step() == 0  # resume asked, nothing to resume from yet
         await first.train_step(_batch(1))
-        result = await first.train_step(_batch(2))
-        assert "checkpoint_time_s" in result.metrics
+        assert "checkpoint_time_s" not in (await first.train_step(_batch(2))).metrics
+        first.commit(2)  # written before step 3 trains, and timed in step 3's result
+        assert "checkpoint_time_s" in (await first.train_step(_batch(3))).metrics
     finally:
         _kill(first)
     checkpoint = protocol.checkpoints_dir(run_dir) / "step_2"

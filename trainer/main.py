@@ -2,8 +2,8 @@
 
 Every rank loads the policy (and, with a KL penalty, a frozen reference copy), shards it with
 FSDP2, resumes from the newest checkpoint if asked, and then serves steps through the file
-protocol in `protocol.py`: wait for step k's batch, train, export a weight snapshot, checkpoint
-when due, answer.
+protocol in `protocol.py`: wait for step k's batch, train, export a weight snapshot, answer;
+checkpoint a due step once the coordinator has committed it.
 Rank 0 decides what comes next (a batch or STOP) and tells the others, so all ranks always
 agree on which collective they enter.
 """
@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -43,19 +44,29 @@ _POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
 
 
-def _next_step(run_dir: Path, step: int, world: Distributed) -> bool:
-    """Block until step's batch or STOP exists; True for a batch. Rank 0 decides for all."""
-    decision = [False]
+Next = Literal["batch", "checkpoint", "stop"]
+
+
+def _next_action(run_dir: Path, step: int, due: int, world: Distributed) -> Next:
+    """Block until there is something to do: checkpoint the due step (0: none) once committed,
+    train step's batch, or stop. Rank 0 decides for all, so every rank enters the same
+    collective.
+    """
+    decision: list[Next] = ["stop"]
     if world.is_main:
         while True:
+            # The commit comes before the next batch or STOP, so it is looked for first.
+            if due and protocol.committed_step(run_dir) >= due:
+                decision = ["checkpoint"]
+                break
             if protocol.batch_path(run_dir, step).exists():
-                decision = [True]
+                decision = ["batch"]
                 break
             if (run_dir / protocol.STOP).exists():
                 break
             time.sleep(_POLL_S)
-    dist.broadcast_object_list(decision, src=0)
-    return bool(decision[0])
+    dist.broadcast_object_list(decision, src=0)  # type: ignore[arg-type]
+    return decision[0]
 
 
 def _export(
@@ -125,18 +136,6 @@ def _train_one(
     started = time.perf_counter()
     weights = _export(policy, config, run_dir, step, world)
     metrics["export_time_s"] = time.perf_counter() - started
-    if config.checkpoint_every and step % config.checkpoint_every == 0:
-        # Before the result: once the coordinator sees step k done, its checkpoint is durable.
-        started = time.perf_counter()
-        save_checkpoint(
-            protocol.checkpoints_dir(run_dir),
-            step,
-            policy,
-            optimizer,
-            world,
-            keep=config.keep_checkpoints,
-        )
-        metrics["checkpoint_time_s"] = time.perf_counter() - started
     return StepResult(step=step, weights_dir=str(weights), metrics=metrics)
 
 
@@ -166,8 +165,26 @@ def serve(run_dir: Path) -> None:
         )
         log.info("trainer ready: %d rank(s), next step %d", world.world_size, resumed + 1)
 
-    step = resumed + 1
-    while _next_step(run_dir, step, world):
+    step, due = resumed + 1, 0
+    checkpoint_s: float | None = None  # the last checkpoint's time, reported with the next step
+    while (action := _next_action(run_dir, step, due, world)) != "stop":
+        if action == "checkpoint":
+            started = time.perf_counter()
+            save_checkpoint(
+                protocol.checkpoints_dir(run_dir),
+                due,
+                policy,
+                optimizer,
+                world,
+                keep=config.keep_checkpoints,
+            )
+            checkpoint_s, due = time.perf_counter() - started, 0
+            continue
+        if due:
+            log.warning(
+                "step %d's batch came before step %d was committed: no checkpoint", step, due
+            )
+            due = 0
         try:
             result = _train_one(policy, reference, optimizer, config, run_dir, step, world)
         except Exception:
@@ -175,6 +192,8 @@ def serve(run_dir: Path) -> None:
                 protocol.error_path(run_dir, step), f"rank {world.rank}:\n{traceback.format_exc()}"
             )
             raise
+        if checkpoint_s is not None:
+            result.metrics["checkpoint_time_s"], checkpoint_s = checkpoint_s, None
         if world.is_main:
             protocol.write_atomic(protocol.result_path(run_dir, step), result.model_dump_json())
             log.info(
@@ -183,7 +202,11 @@ def serve(run_dir: Path) -> None:
                 result.metrics["loss"],
                 result.metrics["step_time_s"],
             )
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+            due = step
         step += 1
+    if due:
+        log.info("stopping with step %d uncommitted: no checkpoint of it", due)
     dist.destroy_process_group()
 
 

@@ -5,10 +5,16 @@ The coordinator writes `batches/step_{k}.json`; every rank reads it. Rank 0 answ
 ranks to exit. Every file is written to a temporary name and renamed, so a reader never sees
 half of one.
 
+`committed` reads "K": the coordinator has durably recorded everything about steps <= K (its
+loop state and metrics). A checkpoint due at step k (every `checkpoint_every` steps) is written
+only once k is committed, before the trainer takes the next batch; a batch of step k + 1
+arriving without that commit, or STOP, skips it. So a checkpoint of step k always has the
+coordinator's records of step k beside it, and a run killed between the two resumes from the
+previous checkpoint instead of leaving a hole in its metrics.
+
 `ready` appears once every rank holds the model. It reads "WORLD_SIZE RESUMED_STEP" (see
 `ready_text` / `parse_ready`). RESUMED_STEP is 0 for a fresh start, or N when the trainer was
-started with `resume: true` and found its newest checkpoint, `checkpoints/step_N` (written
-every `checkpoint_every` steps, complete before that step's result file appears). Either way
+started with `resume: true` and found its newest checkpoint, `checkpoints/step_N`. Either way
 the next batch the trainer waits for is step RESUMED_STEP + 1. A resumed trainer has just
 re-exported the checkpoint's weights to `weights/step_N`, so the coordinator can bring the
 replicas to version N before it sends step N + 1.
@@ -21,6 +27,7 @@ from pathlib import Path
 
 READY = "ready"
 STOP = "STOP"
+COMMITTED = "committed"
 
 
 def batch_path(run_dir: Path, step: int) -> Path:
@@ -41,6 +48,14 @@ def snapshot_dir(run_dir: Path, step: int) -> Path:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
+
+
+def committed_step(run_dir: Path) -> int:
+    """The newest step the coordinator has committed; 0 when it has committed none."""
+    try:
+        return int((run_dir / COMMITTED).read_text())
+    except FileNotFoundError:
+        return 0
 
 
 def ready_text(world_size: int, resumed_step: int) -> str:
