@@ -109,7 +109,8 @@ class TrainerProcess:
         """
         protocol.write_atomic(self.run_dir / protocol.COMMITTED, f"{step}\n")
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def stop(self, grace_s: float = 60.0) -> None:
+        # The grace covers the last step's checkpoint, written once STOP follows its commit.
         proc, self._proc = self._proc, None
         if proc is None:
             return

@@ -22,6 +22,7 @@ from marked_processes import processes_with_marker
 
 from lockgate.coordinator.loop_state import STATE_FILE, LoopState
 from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.trainer.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -104,6 +105,9 @@ def test_a_killed_run_resumes_to_the_configured_step_without_repeating_or_skippi
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # contiguous, no repeats
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
     assert records[-1]["version"] == STEPS
+    # The last step, committed just before STOP, is checkpointed on the way out.
+    latest = latest_checkpoint(run_dir / "trainer" / "checkpoints")
+    assert latest is not None and latest[0] == STEPS
     states = [LoopState.model_validate_json(x) for x in (run_dir / STATE_FILE).open()]
     assert [s.step for s in states] == list(range(1, STEPS + 1))
     trained = [serial for s in states for serial in s.trained]
