@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -193,6 +193,32 @@ class EnvironmentSection(BaseModel):
         return {**data, "path": None}
 
 
+class WandbSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    project: str = Field(default="lockgate", description="W&B project.")
+    entity: str | None = Field(default=None, description="W&B team or user; None: your default.")
+    name: str | None = Field(default=None, description="Run name in W&B; None: the run's name.")
+    group: str | None = Field(default=None, description="W&B run group (e.g. one per sweep).")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags.")
+    mode: Literal["online", "offline"] = Field(
+        default="online",
+        description="offline writes under RUN_DIR/wandb for a later `wandb sync`.",
+    )
+
+
+class MetricsSection(BaseModel):
+    """Where step records go besides RUN_DIR/metrics.jsonl (always written, the source of truth)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tensorboard: bool = Field(
+        default=False,
+        description="Write TensorBoard event files to RUN_DIR/tensorboard (needs lockgate[tensorboard]).",
+    )
+    wandb: WandbSection | None = Field(
+        default=None, description="Log to Weights & Biases (needs lockgate[wandb]); None: off."
+    )
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(default="run", description="Run name; the run dir defaults to runs/<name>.")
@@ -205,6 +231,7 @@ class RunConfig(BaseModel):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     loop: LoopSection = Field(default_factory=LoopSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
 
 def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
@@ -251,6 +278,15 @@ def describe_options(model: type[BaseModel] = RunConfig, prefix: str = "") -> li
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             lines.extend(describe_options(annotation, key + "."))
+            continue
+        # An optional section (`X | None`, off by default): its line, then its own options.
+        section = next(
+            (a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)),
+            None,
+        )
+        if section is not None:
+            lines.append(f"  {key:<34} section, or null = off\n      {field.description or ''}")
+            lines.extend(describe_options(section, key + "."))
             continue
         default = field.get_default(call_default_factory=True)
         type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")

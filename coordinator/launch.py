@@ -22,6 +22,7 @@ from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
+from lockgate.coordinator.metric_sinks import check_sinks, open_sinks
 from lockgate.coordinator.metrics import MetricsLog, read_metrics
 from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.coordinator.trainer_process import TrainerProcess
@@ -116,6 +117,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    check_sinks(config.metrics)
 
     model_dir = config.model.path or ensure_tiny_model()
     env = load_environment(config.environment, model_dir, run_dir / "logs" / "agents")
@@ -174,9 +176,16 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             val_gateway = _validation_gateway(gateway_config, run_dir)
             stack.callback(val_gateway.stop)
             val_gateway.start()
+        sinks = open_sinks(
+            config.metrics,
+            run_dir,
+            config.name,
+            config.model_dump(mode="json"),
+            state.step if state is not None else 0,
+        )
 
         async def run_loop() -> RunSummary:
-            metrics = MetricsLog(run_dir / METRICS_FILE, config.loop.steps)
+            metrics = MetricsLog(run_dir / METRICS_FILE, config.loop.steps, sinks=sinks)
             async with contextlib.AsyncExitStack() as clients:
                 clients.push_async_callback(close_shared_transport)
                 client = await clients.enter_async_context(GatewayClient(gateway.url, admin_token))

@@ -1,16 +1,26 @@
-"""Step metrics: one JSONL line per trainer step, and a one-line progress report on stderr."""
+"""Step metrics: one JSONL line per trainer step, a one-line progress report on stderr, and
+the configured dashboards (`metric_sinks.py`)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from lockgate.coordinator.metric_sinks import MetricSink, SinkFanout
+
 
 class MetricsLog:
-    def __init__(self, path: Path, total_steps: int, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        total_steps: int,
+        stream: TextIO | None = None,
+        sinks: Sequence[MetricSink] = (),
+    ) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", buffering=1)
@@ -22,10 +32,12 @@ class MetricsLog:
         self._tokens = 0.0
         self._step_s = 0.0
         self._train_s = 0.0
+        self._sinks = SinkFanout(sinks)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._print(record)
+        self._sinks.write(record)
 
     def _print(self, r: dict[str, Any]) -> None:
         step = int(r["step"])
@@ -48,6 +60,7 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+        self._sinks.close()
 
 
 def _fmt(seconds: float) -> str:

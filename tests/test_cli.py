@@ -63,6 +63,8 @@ def test_help_documents_every_option() -> None:
         "trainer.lr",
         "replicas.count",
         "gateway.sampling",
+        "metrics.tensorboard",
+        "metrics.wandb.project",  # inside an optional section
     ):
         assert option in result.stdout
 

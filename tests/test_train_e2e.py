@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from dashboards import tensorboard_scalars, wandb_history
 from marked_processes import processes_with_marker
 
 pytestmark = pytest.mark.vllm
@@ -33,6 +34,7 @@ def test_a_short_training_run_completes_syncs_and_leaves_no_process(
             "--run-dir", str(run_dir),
             "--set", "loop.steps=3", "--set", "loop.groups_per_step=2", "--set", "loop.group_size=4",
             "--set", "replicas.count=1",
+            "--set", "metrics.tensorboard=true", "--set", "metrics.wandb.mode=offline",
         ],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
@@ -54,3 +56,9 @@ def test_a_short_training_run_completes_syncs_and_leaves_no_process(
     assert 0.0 <= records[0]["val/reward_mean"] <= 1.0 and records[0]["val/failed"] == 0
     assert all("val/version" not in r for r in records[1:])
     assert processes_with_marker(marker) == []
+    # The dashboards got every record: TensorBoard event files and an offline W&B run.
+    rewards = {r["step"]: r["reward/mean"] for r in records}
+    assert tensorboard_scalars(run_dir / "tensorboard")["reward/mean"] == pytest.approx(rewards)
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = {row["trainer/step"]: row["reward/mean"] for row in wandb_history(wandb_run)}
+    assert logged == pytest.approx(rewards)
