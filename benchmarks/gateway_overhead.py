@@ -230,7 +230,7 @@ async def overhead(args: argparse.Namespace, r: Rig) -> None:
         "| added p50 ms | added p99 ms | gateway CPU ms/req | CPU-bound req/s | errors |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for stream in (False, True):
+    for stream in (mode == "stream" for mode in args.modes):
         for c in args.concurrency:
             direct, through = [], []
             for _ in range(args.repeats):
@@ -301,6 +301,12 @@ async def soak(args: argparse.Namespace, r: Rig) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="the gateway's own latency and throughput cost")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["json", "stream"],
+        help="json (non-streamed), stream (SSE), or both: json,stream",
+    )
     parser.add_argument("--duration", type=float, default=4.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per point (median taken)")

@@ -31,6 +31,11 @@ def main() -> None:
         # Longer than clients keep idle connections (httpx 5 s, aiohttp 15 s): with uvicorn's
         # 5 s default an agent back from a 5 s tool could send on a connection being closed.
         timeout_keep_alive=75,
+        # Nothing reads the client address, and agents need neither header: each is Python
+        # work on every request.
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
     )
 
 

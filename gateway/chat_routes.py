@@ -108,6 +108,9 @@ async def _body(receive: Receive) -> bytes | None:
             return b"".join(parts)
 
 
+_DONE = b"data: [DONE]\n\n"
+
+
 async def _stream(response: StreamingResponse, receive: Receive, send: Send) -> None:
     """Send a streamed answer; a client that disconnects stops it (its generator is closed)."""
     me = asyncio.current_task()
@@ -135,7 +138,13 @@ async def _stream(response: StreamingResponse, receive: Receive, send: Send) -> 
         )
         async with contextlib.aclosing(body):
             async for chunk in body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # The block ending in [DONE] is an answer's last: it ends the response in the
+                # same write instead of one more for the empty closing chunk.
+                last = chunk.endswith(_DONE)
+                streaming = not last
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    return
         streaming = False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except asyncio.CancelledError:

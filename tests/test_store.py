@@ -1,0 +1,106 @@
+"""The trajectory store on a real SQLite file: lone and group commits, failures, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from lockgate.gateway import store as store_module
+from lockgate.gateway.schema import CallRecord, VersionSpan
+from lockgate.gateway.store import TrajectoryStore
+
+
+def _call(session: str, index: int, n: int = 64) -> CallRecord:
+    return CallRecord(
+        session_id=session,
+        index=index,
+        request={"messages": [{"role": "user", "content": "x" * 200}]},
+        sampling={"temperature": 1.0},
+        prompt_ids=list(range(300)),
+        completion_ids=list(range(n)),
+        logprobs=[-0.1 * i for i in range(n)],
+        versions=[VersionSpan(version=0, start=0, end=n)],
+        finish_reason="length",
+        replica="r",
+        started_at=0.0,
+        ended_at=1.0,
+        extends_previous=index > 0,
+    )
+
+
+def _committed_calls(path: Path) -> int:
+    """Calls another connection sees: what is committed, whatever this process still holds."""
+    with sqlite3.connect(path) as other:
+        return int(other.execute("SELECT COUNT(*) FROM calls").fetchone()[0])
+
+
+async def _sessions(store: TrajectoryStore, n: int) -> None:
+    for i in range(n):
+        await store.create_session(f"s{i}", f"k{i}", "t", None, {})
+
+
+def test_a_lone_call_is_committed_when_add_call_returns(tmp_path: Path) -> None:
+    path = tmp_path / "t.sqlite"
+
+    async def run() -> None:
+        store = TrajectoryStore(path)
+        await _sessions(store, 1)
+        for index in range(3):
+            await store.add_call(_call("s0", index))
+            assert _committed_calls(path) == index + 1
+        info = await store.get_session("s0")
+        assert info is not None and info.num_calls == 3
+        assert [c.logprobs for c in await store.get_calls("s0")] == [_call("s0", 0).logprobs] * 3
+        store.close()
+
+    asyncio.run(run())
+
+
+def test_concurrent_calls_group_commit_and_a_bad_record_fails_only_its_own_call(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "t.sqlite"
+
+    async def run() -> None:
+        store = TrajectoryStore(path)
+        await _sessions(store, 40)
+        await store.add_call(_call("s0", 0))
+        calls = [_call(f"s{i}", 1 if i == 0 else 0) for i in range(40)]
+        calls.append(_call("s0", 0))  # a duplicate index: a constraint violation
+        results = await asyncio.gather(*(store.add_call(c) for c in calls), return_exceptions=True)
+        assert all(r is None for r in results[:-1])
+        assert isinstance(results[-1], sqlite3.IntegrityError)
+        assert _committed_calls(path) == 41
+        store.close()
+
+    asyncio.run(run())
+
+
+def test_the_wal_is_checkpointed_into_the_database_file_by_the_store_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Automatic checkpoints are off (they would run inside a commit on the event loop): without
+    # the store's own checkpoints the database file would not grow until it is closed.
+    monkeypatch.setattr(store_module, "CHECKPOINT_EVERY", 8)
+    path = tmp_path / "t.sqlite"
+
+    async def run() -> tuple[int, int]:
+        store = TrajectoryStore(path)
+        await _sessions(store, 1)
+        await store.get_session("s0")  # the store's thread is idle
+        before = path.stat().st_size
+        for index in range(7):
+            await store.add_call(_call("s0", index, n=2000))
+        await store.get_session("s0")  # queued behind a checkpoint, had there been one
+        assert path.stat().st_size == before, "checkpointed before CHECKPOINT_EVERY commits"
+        await store.add_call(_call("s0", 7, n=2000))
+        await store.get_session("s0")
+        after = path.stat().st_size
+        store.close()
+        return before, after
+
+    before, after = asyncio.run(run())
+    assert after > before + 8 * 2000 * 8  # the eight calls' logprobs alone
