@@ -1,9 +1,9 @@
 """The trajectory store: sessions and calls in one SQLite file.
 
-One connection, owned by one worker thread, so SQLite never sees concurrent writers and the
-event loop never waits on disk. A call's record is committed before the gateway answers the
-agent (WAL mode, `synchronous=NORMAL`: durable across a crash of the gateway process;
-`synchronous=FULL` would also survive power loss at a latency cost).
+All access goes through one connection owned by one worker thread, so SQLite never sees
+concurrent writers and the event loop never blocks on disk. A call's record is committed before
+the gateway answers the agent (WAL mode, `synchronous=NORMAL`: durable across a crash of the
+gateway process; `synchronous=FULL` would also survive power loss at a latency cost).
 
 Calls are group-committed: the records of calls that end while a commit is running are written
 together in the next transaction, and each `add_call` returns only once the transaction holding
@@ -11,13 +11,6 @@ its record has committed. Nothing waits on purpose to fill a batch, so a lone ca
 commit, and under load a call waits at most for the commit in progress plus its own (the
 window is bounded by two commits; a batch holds at most `MAX_BATCH` records). Nothing of a call
 stays in memory once it is written.
-
-A lone call (no commit running, none waiting, the connection free) is committed on the event
-loop itself: in WAL mode with `synchronous=NORMAL` a commit appends to the WAL without an
-fsync, which costs less than the two thread hand-offs it saves. What can take milliseconds,
-checkpointing the WAL into the database file (where the fsync happens), is taken off that path:
-automatic checkpoints are off and the store's thread runs one every `CHECKPOINT_EVERY`
-commits.
 
 Token ids and logprobs are stored as packed arrays (int32 / float64), not JSON: they are the bulk
 of every row, and float64 keeps vLLM's logprobs bit-exact.
@@ -28,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-import threading
 import time
 from array import array
 from collections.abc import Callable
@@ -42,8 +34,6 @@ T = TypeVar("T")
 
 # Records per transaction at most: bounds how long one commit holds the store's thread.
 MAX_BATCH = 512
-# Call commits between WAL checkpoints (SQLite's own default is about every 1,000 pages).
-CHECKPOINT_EVERY = 256
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -117,10 +107,6 @@ class TrajectoryStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-store")
         self._conn: sqlite3.Connection | None = None
-        # Held by whoever uses the connection: the store's thread, or the loop for a lone commit
-        # (which never waits for it: when it is taken, the call goes to the thread instead).
-        self._lock = threading.Lock()
-        self._commits = 0  # since the last checkpoint was requested
         self._executor.submit(self._open).result()
         # Calls waiting for the next group commit, and the task writing them (None when idle).
         self._pending: list[tuple[CallRecord, asyncio.Future[None]]] = []
@@ -130,7 +116,6 @@ class TrajectoryStore:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA wal_autocheckpoint=0")  # see _count_commits
         conn.execute("PRAGMA foreign_keys=ON")
         conn.executescript(_SCHEMA)
         self._conn = conn
@@ -140,16 +125,8 @@ class TrajectoryStore:
         return await loop.run_in_executor(self._executor, self._with_conn, fn)
 
     def _with_conn(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock:
-            assert self._conn is not None
-            return fn(self._conn)
-
-    def _count_commits(self, n: int) -> None:
-        self._commits += n
-        if self._commits >= CHECKPOINT_EVERY:
-            self._commits = 0
-            # PASSIVE never waits for readers or writers; the store's thread runs it.
-            self._executor.submit(self._with_conn, _checkpoint)
+        assert self._conn is not None
+        return fn(self._conn)
 
     async def flush(self) -> None:
         """Wait until every call handed to `add_call` so far is written."""
@@ -239,15 +216,6 @@ class TrajectoryStore:
 
     async def add_call(self, call: CallRecord) -> None:
         """Record a call and bump its session's counters; returns once that is committed."""
-        if not self._pending and (self._writer is None or self._writer.done()):
-            if self._lock.acquire(blocking=False):
-                try:
-                    assert self._conn is not None
-                    _write_calls(self._conn, [call])
-                finally:
-                    self._lock.release()
-                    self._count_commits(1)
-                return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((call, done))
         if self._writer is None or self._writer.done():
@@ -262,7 +230,6 @@ class TrajectoryStore:
                 errors = await self._run(
                     lambda conn, b=batch: _insert_calls(conn, [c for c, _ in b])
                 )
-                self._count_commits(len(batch))
             except asyncio.CancelledError:
                 # The gateway is shutting down: no waiter is left hanging.
                 for _, done in batch + self._pending:
@@ -335,10 +302,6 @@ def _write_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
-
-
-def _checkpoint(conn: sqlite3.Connection) -> None:
-    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 def _insert_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> list[Exception | None]:

@@ -6,9 +6,6 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
-import pytest
-
-from lockgate.gateway import store as store_module
 from lockgate.gateway.schema import CallRecord, VersionSpan
 from lockgate.gateway.store import TrajectoryStore
 
@@ -77,30 +74,3 @@ def test_concurrent_calls_group_commit_and_a_bad_record_fails_only_its_own_call(
         store.close()
 
     asyncio.run(run())
-
-
-def test_the_wal_is_checkpointed_into_the_database_file_by_the_store_itself(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Automatic checkpoints are off (they would run inside a commit on the event loop): without
-    # the store's own checkpoints the database file would not grow until it is closed.
-    monkeypatch.setattr(store_module, "CHECKPOINT_EVERY", 8)
-    path = tmp_path / "t.sqlite"
-
-    async def run() -> tuple[int, int]:
-        store = TrajectoryStore(path)
-        await _sessions(store, 1)
-        await store.get_session("s0")  # the store's thread is idle
-        before = path.stat().st_size
-        for index in range(7):
-            await store.add_call(_call("s0", index, n=2000))
-        await store.get_session("s0")  # queued behind a checkpoint, had there been one
-        assert path.stat().st_size == before, "checkpointed before CHECKPOINT_EVERY commits"
-        await store.add_call(_call("s0", 7, n=2000))
-        await store.get_session("s0")
-        after = path.stat().st_size
-        store.close()
-        return before, after
-
-    before, after = asyncio.run(run())
-    assert after > before + 8 * 2000 * 8  # the eight calls' logprobs alone
