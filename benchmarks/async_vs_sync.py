@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per group (n)")
     parser.add_argument("--eta", type=int, default=4, help="η of the async mode")
     parser.add_argument("--turns", type=int, default=3, help="model calls per rollout")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--delay-median-s", type=float, default=1.0)
     parser.add_argument("--delay-sigma", type=float, default=1.0)
     parser.add_argument("--replicas", type=int, default=1)

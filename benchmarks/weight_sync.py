@@ -61,9 +61,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
-    """Best single-threaded copy rate between two buffers of `nbytes` (first touch excluded)."""
-    torch.set_num_threads(1)
+def memcpy_gbps(nbytes: int, repeats: int = 3, threads: int = 1) -> float:
+    """Best copy rate between two buffers of `nbytes` on `threads` threads (first touch excluded)."""
+    torch.set_num_threads(threads)
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     best = float("inf")
@@ -100,7 +100,12 @@ def build_big_model(tiny: Path, out: Path) -> Path:
 
 @contextlib.contextmanager
 def stack(
-    model_dir: Path, replicas: int, work: Path, eager: bool = False, direct: bool = True
+    model_dir: Path,
+    replicas: int,
+    work: Path,
+    eager: bool = False,
+    direct: bool = True,
+    cpus: int = 1,
 ) -> Iterator[tuple[str, GatewayProcess]]:
     replica_set = LocalReplicaSet(
         ReplicaLaunchConfig(
@@ -116,6 +121,8 @@ def stack(
             # glibc's default allocator settings), for the comparison.
             snapshot_load=direct,
             keep_freed_memory=direct,
+            # cpus > 1 (one replica): its threads span the first `cpus` cores.
+            cpu_binds=None if cpus == 1 else [f"0-{cpus - 1}"] * replicas,
         )
     )
     with replica_set:
@@ -267,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=32, help="calls kept in flight")
     parser.add_argument("--big-syncs", type=int, default=5, help="syncs of the ~0.5B model")
     parser.add_argument("--skip-big", action="store_true")
+    parser.add_argument(
+        "--big-cpus", type=int, default=1, help="cores the 0.5B replica's threads span (from 0)"
+    )
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument(
         "--big-load",
@@ -296,16 +306,25 @@ def main(argv: list[str] | None = None) -> int:
             big = build_big_model(tiny, Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b")
             nbytes = snapshot_bytes(big)
             loads = ["direct", "reload_weights"] if args.big_load == "both" else [args.big_load]
+            cpus = args.big_cpus
             for load in loads:
-                print(f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica, 4 agents, {load}")
+                print(
+                    f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica on {cpus} core(s), "
+                    f"4 agents, {load}"
+                )
                 (work / f"big-{load}").mkdir()
-                with stack(big, 1, work / f"big-{load}", True, load == "direct") as (url, _):
+                with stack(big, 1, work / f"big-{load}", True, load == "direct", cpus) as (url, _):
                     rows = asyncio.run(run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0)))
-                # Measured right after the loads: the machine is shared and its load moves.
-                gbps = memcpy_gbps(nbytes)
+                # Measured right after the loads: the machine is shared and its load moves. The
+                # ratio is against a copy on as many threads as the replica has cores.
+                gbps = memcpy_gbps(nbytes, threads=cpus)
                 key = "big" if load == "direct" else "big_reload_weights"
+                if cpus > 1:
+                    key += f"_{cpus}cpus"
                 results[key] = {
                     **summarize(rows, nbytes, gbps),
+                    "cpus": cpus,
+                    "memcpy_gbps_1_thread": memcpy_gbps(nbytes),
                     "load_ms_each": [round(1e3 * r["load_s"]) for r in rows],
                     "loadavg": Path("/proc/loadavg").read_text().split()[:3],
                 }
