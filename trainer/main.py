@@ -4,8 +4,8 @@ Every rank loads the policy (and, with a KL penalty, a frozen reference copy), s
 FSDP2, resumes from the newest checkpoint if asked, and then serves steps through the file
 protocol in `protocol.py`: wait for step k's batch, train, export a weight snapshot, answer;
 checkpoint a due step once the coordinator has committed it.
-Rank 0 decides what comes next (a batch or STOP) and tells the others, so all ranks always
-agree on which collective they enter.
+Rank 0 decides what comes next (a checkpoint, a batch or STOP) and tells the others, so all
+ranks always agree on which collective they enter.
 """
 
 from __future__ import annotations
@@ -55,14 +55,17 @@ def _next_action(run_dir: Path, step: int, due: int, world: Distributed) -> Next
     decision: list[Next] = ["stop"]
     if world.is_main:
         while True:
-            # The commit comes before the next batch or STOP, so it is looked for first.
+            batch = protocol.batch_path(run_dir, step).exists()
+            stop = not batch and (run_dir / protocol.STOP).exists()
+            # Read after looking for the batch and STOP: the coordinator commits a step before
+            # it writes either, so a commit that came first is never missed.
             if due and protocol.committed_step(run_dir) >= due:
                 decision = ["checkpoint"]
                 break
-            if protocol.batch_path(run_dir, step).exists():
+            if batch:
                 decision = ["batch"]
                 break
-            if (run_dir / protocol.STOP).exists():
+            if stop:
                 break
             time.sleep(_POLL_S)
     dist.broadcast_object_list(decision, src=0)  # type: ignore[arg-type]
