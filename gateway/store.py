@@ -1,6 +1,6 @@
 """The trajectory store: sessions and calls in one SQLite file.
 
-All access goes through one connection owned by one worker thread, so SQLite never sees
+All access goes through one connection owned by one thread (`store_thread.py`), so SQLite never sees
 concurrent writers and the event loop never blocks on disk. A call's record is committed before
 the gateway answers the agent (WAL mode, `synchronous=NORMAL`: durable across a crash of the
 gateway process; `synchronous=FULL` would also survive power loss at a latency cost).
@@ -24,11 +24,11 @@ import sqlite3
 import time
 from array import array
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from lockgate.gateway.schema import CallRecord, SessionInfo, VersionSpan
+from lockgate.gateway.store_thread import StoreThread
 
 T = TypeVar("T")
 
@@ -105,9 +105,9 @@ class TrajectoryStore:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-store")
+        self._thread = StoreThread("lockgate-store")
         self._conn: sqlite3.Connection | None = None
-        self._executor.submit(self._open).result()
+        self._thread.call(self._open)
         # Calls waiting for the next group commit, and the task writing them (None when idle).
         self._pending: list[tuple[CallRecord, asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
@@ -121,8 +121,7 @@ class TrajectoryStore:
         self._conn = conn
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._with_conn, fn)
+        return await self._thread.run(lambda: self._with_conn(fn))
 
     def _with_conn(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         assert self._conn is not None
@@ -139,8 +138,8 @@ class TrajectoryStore:
                 self._conn.close()
                 self._conn = None
 
-        self._executor.submit(_close).result()
-        self._executor.shutdown(wait=True)
+        self._thread.call(_close)
+        self._thread.stop()
 
     # -- sessions -------------------------------------------------------------------------------
 

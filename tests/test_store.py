@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 
 from lockgate.gateway.schema import CallRecord, VersionSpan
 from lockgate.gateway.store import TrajectoryStore
+from lockgate.gateway.store_thread import StoreThread
 
 
 def _call(session: str, index: int, n: int = 64) -> CallRecord:
@@ -74,3 +76,32 @@ def test_concurrent_calls_group_commit_and_a_bad_record_fails_only_its_own_call(
         store.close()
 
     asyncio.run(run())
+
+
+def test_the_store_thread_runs_jobs_in_order_and_hands_back_results_and_errors() -> None:
+    thread = StoreThread("test-store")
+    seen: list[int] = []
+
+    def fail() -> None:
+        raise KeyError("boom")
+
+    async def run() -> None:
+        results = await asyncio.gather(
+            *(thread.run(lambda i=i: seen.append(i) or i * i) for i in range(50))
+        )
+        assert results == [i * i for i in range(50)] and seen == list(range(50))
+        try:
+            await thread.run(fail)
+        except KeyError as exc:
+            assert exc.args == ("boom",)
+        else:
+            raise AssertionError("expected the job's KeyError")
+        # A waiter cancelled mid-job: the job still runs, nothing breaks after it.
+        slow = asyncio.ensure_future(thread.run(lambda: time.sleep(0.05) or seen.append(-1)))
+        await asyncio.sleep(0.01)
+        slow.cancel()
+        assert await thread.run(lambda: seen[-1]) == -1
+
+    asyncio.run(run())
+    assert thread.call(lambda: 7) == 7
+    thread.stop()
