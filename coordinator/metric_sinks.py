@@ -78,10 +78,11 @@ class TensorBoardSink:
 
     def __init__(self, log_dir: Path, resumed_step: int) -> None:
         tensorboardx = _require("tensorboardX", "tensorboard")
-        # purge_step: events of steps after the checkpoint, written before a kill, are hidden.
+        # purge_step: events of steps after the checkpoint, written before a kill, are hidden;
+        # for a fresh start (0) that is every step an earlier run left in a reused run dir.
         self._writer = tensorboardx.SummaryWriter(
             logdir=str(log_dir),
-            purge_step=resumed_step + 1 if resumed_step else None,
+            purge_step=resumed_step + 1,
             # Event files are named by the second they open in; TensorBoard reads them in name
             # order, so a resume within the same second still sorts after the first writer.
             filename_suffix=f".{time.time_ns()}",
@@ -92,11 +93,12 @@ class TensorBoardSink:
         for key, value in scalar_fields(record).items():
             self._writer.add_scalar(key, value, step)
         values, counts = staleness_buckets(record.get(_HIST_KEY, {}))
-        if sum(counts):
+        seen = [v for v, c in zip(values, counts, strict=True) if c]
+        if seen:
             self._writer.add_histogram_raw(
                 _HIST_KEY,
-                min=min(v for v, c in zip(values, counts, strict=True) if c),
-                max=max(v for v, c in zip(values, counts, strict=True) if c),
+                min=seen[0],
+                max=seen[-1],
                 num=sum(counts),
                 sum=sum(v * c for v, c in zip(values, counts, strict=True)),
                 sum_squares=sum(v * v * c for v, c in zip(values, counts, strict=True)),

@@ -69,6 +69,12 @@ def test_tensorboard_events_load_as_the_records_and_a_resume_replaces_redone_ste
     hist = tensorboard_histograms(log_dir, "staleness/hist")[4]
     assert list(hist.bucket) == [6, 0, 2] and (hist.min, hist.max, hist.num) == (0, 2, 8)
 
+    # A fresh run in the reused run dir: the earlier runs' steps no longer show.
+    fresh = TensorBoardSink(log_dir, resumed_step=0)
+    fresh.write(_record(1, 0.5))
+    fresh.close()
+    assert tensorboard_scalars(log_dir)["reward/mean"] == pytest.approx({1: 0.5})
+
 
 def _wandb_rows(run_dir: Path) -> list[dict[str, Any]]:
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
