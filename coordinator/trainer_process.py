@@ -38,7 +38,7 @@ class TrainerProcess:
         # A fresh protocol state: stale batches or a STOP from an earlier run would confuse ranks.
         for name in ("batches", "results"):
             shutil.rmtree(self.run_dir / name, ignore_errors=True)
-        for name in (protocol.STOP, protocol.READY, protocol.COMMITTED):
+        for name in (protocol.STOP, protocol.READY, protocol.COMMITTED, protocol.FAILED):
             (self.run_dir / name).unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
@@ -82,8 +82,11 @@ class TrainerProcess:
         if self._proc is None:
             raise TrainerError("trainer not started")
         if self._proc.poll() is not None:
+            failed = self.run_dir / protocol.FAILED
+            why = f" ({failed.read_text().strip()})" if failed.exists() else ""
             raise TrainerError(
-                f"trainer exited with code {self._proc.returncode}:\n{log_tail(self.log_path)}"
+                f"trainer exited with code {self._proc.returncode}{why}:\n"
+                f"{log_tail(self.log_path)}"
             )
 
     async def train_step(self, batch: TrainBatch) -> StepResult:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -12,17 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from trainer_runs import max_diff, needs_gpu, synthetic_batch
 
 from lockgate.coordinator.trainer_process import TrainerProcess
 from lockgate.trainer import protocol
-from lockgate.trainer.batch import StepResult, TrainBatch, TrainSample
+from lockgate.trainer.batch import StepResult
 from lockgate.trainer.checkpoint import (
     clear_checkpoints,
     latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
 )
-from lockgate.trainer.config import TrainerConfig
+from lockgate.trainer.config import Device, TrainerConfig
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
@@ -63,30 +63,8 @@ def test_ready_file_round_trip_and_malformed() -> None:
 # -- the real thing ----------------------------------------------------------------------------
 
 
-def _batch(step: int) -> TrainBatch:
-    rng = random.Random(step)
-    samples = []
-    for i in range(4):
-        n, p = rng.randint(10, 30), rng.randint(3, 6)
-        mask = [0] * p + [1] * (n - p)
-        samples.append(
-            TrainSample(
-                input_ids=[rng.randrange(1000) for _ in range(n)],
-                loss_mask=mask,
-                rollout_logprobs=[-7.0 * m for m in mask],
-                advantages=[(1.0 if (i + step) % 2 else -1.0) * m for m in mask],
-            )
-        )
-    return TrainBatch(step=step, samples=samples)
-
-
 def _weights(path: Path | str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def _children() -> dict[int, list[int]]:
@@ -128,12 +106,17 @@ def _kill(trainer: TrainerProcess) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize(
+    ("device", "world_size"),
+    [("cpu", 2), pytest.param("cuda", 1, marks=needs_gpu, id="cuda-1")],
+)
 async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, device: Device, world_size: int
 ) -> None:
     config = TrainerConfig(
         model_dir=tiny_model_dir,
-        world_size=2,
+        world_size=world_size,
+        device=device,
         lr=1e-3,
         micro_batch_tokens=64,
         # the schedule makes step 3's learning rate depend on the restored step
@@ -154,7 +137,9 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
     try:
         assert straight.resumed_step() == 0
         assert not stale.exists()
-        expected: list[StepResult] = [await straight.train_step(_batch(k)) for k in (1, 2, 3)]
+        expected: list[StepResult] = [
+            await straight.train_step(synthetic_batch(k, seed=k)) for k in (1, 2, 3)
+        ]
     finally:
         straight.stop()
     # Step 2 was due but never committed before step 3's batch came: it must not be written.
@@ -165,15 +150,17 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
     first.start()
     try:
         assert first.resumed_step() == 0  # resume asked, nothing to resume from yet
-        await first.train_step(_batch(1))
-        assert "checkpoint_time_s" not in (await first.train_step(_batch(2))).metrics
+        await first.train_step(synthetic_batch(1, seed=1))
+        assert (
+            "checkpoint_time_s" not in (await first.train_step(synthetic_batch(2, seed=2))).metrics
+        )
         first.commit(2)  # written before step 3 trains, and timed in step 3's result
-        assert "checkpoint_time_s" in (await first.train_step(_batch(3))).metrics
+        assert "checkpoint_time_s" in (await first.train_step(synthetic_batch(3, seed=3))).metrics
     finally:
         _kill(first)
     checkpoint = protocol.checkpoints_dir(run_dir) / "step_2"
     assert latest_checkpoint(protocol.checkpoints_dir(run_dir)) == (2, checkpoint)
-    assert {"rng_rank0.pt", "rng_rank1.pt", "meta.json", ".metadata"} <= {
+    assert {*(f"rng_rank{r}.pt" for r in range(world_size)), "meta.json", ".metadata"} <= {
         p.name for p in checkpoint.iterdir()
     }
     # Lose the step-2 snapshot too: the resumed trainer must export it again for the replicas.
@@ -186,14 +173,14 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_exactly(
     second.start()
     try:
         assert second.resumed_step() == 2
-        assert _max_diff(_weights(snapshot), _weights(expected[1].weights_dir)) < 1e-6
-        resumed = await second.train_step(_batch(3))
+        assert max_diff(_weights(snapshot), _weights(expected[1].weights_dir)) < 1e-6
+        resumed = await second.train_step(synthetic_batch(3, seed=3))
     finally:
         second.stop()
 
     assert resumed.metrics["lr"] == pytest.approx(expected[2].metrics["lr"])
-    worst = _max_diff(_weights(resumed.weights_dir), _weights(expected[2].weights_dir))
-    moved = _max_diff(_weights(resumed.weights_dir), _weights(expected[1].weights_dir))
+    worst = max_diff(_weights(resumed.weights_dir), _weights(expected[2].weights_dir))
+    moved = max_diff(_weights(resumed.weights_dir), _weights(expected[1].weights_dir))
     print(f"\nresumed vs uninterrupted step 3: {worst:.2e}; step 3 moved weights by {moved:.2e}")
     assert worst < 1e-6
     assert moved > 1e-5  # step 3 really trained

@@ -17,13 +17,23 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 PpoMode = Literal["bypass", "decoupled"]
 TisLevel = Literal["none", "token", "sequence"]
 LrSchedule = Literal["constant", "linear", "cosine"]
+Device = Literal["auto", "cpu", "cuda"]
 
 
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_dir: Path = Field(description="HF model dir the policy starts from.")
-    world_size: int = Field(default=1, ge=1, description="Trainer ranks (FSDP2 over gloo on CPU).")
+    world_size: int = Field(
+        default=1, ge=1, description="Trainer ranks: one per GPU on CUDA, processes on CPU."
+    )
+    device: Device = Field(
+        default="auto",
+        description=(
+            "cuda: one GPU per rank, NCCL, bf16 compute with fp32 master weights; cpu: gloo, "
+            "fp32 throughout; auto: cuda when a GPU is visible."
+        ),
+    )
     num_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
     seed: int = Field(default=0, description="Seed of the trainer's RNG.")
 

@@ -144,7 +144,7 @@ def _train_one(
 
 def serve(run_dir: Path) -> None:
     config = TrainerConfig.model_validate_json((run_dir / "config.json").read_text())
-    world = init_distributed()
+    world = init_distributed(config.device)
     torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     policy = load_policy(config.model_dir, world.device)
@@ -166,7 +166,12 @@ def serve(run_dir: Path) -> None:
         protocol.write_atomic(
             run_dir / protocol.READY, protocol.ready_text(world.world_size, resumed)
         )
-        log.info("trainer ready: %d rank(s), next step %d", world.world_size, resumed + 1)
+        log.info(
+            "trainer ready: %d rank(s) on %s, next step %d",
+            world.world_size,
+            world.device.type,
+            resumed + 1,
+        )
 
     step, due = resumed + 1, 0
     checkpoint_s: float | None = None  # the last checkpoint's time, reported with the next step
@@ -235,7 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True, help="holds config.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    serve(args.run_dir)
+    try:
+        serve(args.run_dir)
+    except Exception as exc:
+        rank = os.environ.get("RANK", "0")
+        protocol.write_atomic(
+            args.run_dir / protocol.FAILED, f"rank {rank}: {type(exc).__name__}: {exc}\n"
+        )
+        raise
     return 0
 
 

@@ -17,6 +17,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from lockgate.trainer.config import Device
+
 
 @dataclass(frozen=True)
 class Distributed:
@@ -30,22 +32,41 @@ class Distributed:
         return self.rank == 0
 
 
-def init_distributed() -> Distributed:
+def resolve_device(device: Device, local_rank: int, local_world_size: int) -> str:
+    """ "cuda" or "cpu" for this node's ranks, the same for all of them.
+
+    `auto` takes CUDA only when every rank on the node gets a GPU of its own; asking for cuda
+    without enough GPUs is an error rather than a silent fall-back to the CPU.
+    """
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return "cuda" if 0 < local_world_size <= visible else "cpu"
+    if device == "cuda" and local_rank >= visible:
+        raise RuntimeError(
+            f"trainer device is cuda but rank {local_rank} has no GPU: {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            "run one rank per GPU, or set the trainer's device to cpu"
+        )
+    return device
+
+
+def init_distributed(device: Device = "auto") -> Distributed:
     """Join the process group torchrun describes (a world of one when run without torchrun)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    if torch.cuda.is_available():
-        local = int(os.environ["LOCAL_RANK"])
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    local = int(os.environ["LOCAL_RANK"])
+    if resolve_device(device, local, int(os.environ["LOCAL_WORLD_SIZE"])) == "cuda":
         torch.cuda.set_device(local)
-        device, backend, mesh_type = torch.device("cuda", local), "nccl", "cuda"
+        where, backend, mesh_type = torch.device("cuda", local), "nccl", "cuda"
     else:
-        device, backend, mesh_type = torch.device("cpu"), "gloo", "cpu"
+        where, backend, mesh_type = torch.device("cpu"), "gloo", "cpu"
     dist.init_process_group(backend)
     mesh = init_device_mesh(mesh_type, (dist.get_world_size(),))
-    return Distributed(dist.get_rank(), dist.get_world_size(), device, mesh)
+    return Distributed(dist.get_rank(), dist.get_world_size(), where, mesh)
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

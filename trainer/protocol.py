@@ -12,6 +12,9 @@ arriving without that commit, or STOP, skips it. So a checkpoint of step k alway
 coordinator's records of step k beside it, and a run killed between the two resumes from the
 previous checkpoint instead of leaving a hole in its metrics.
 
+`failed` reads "rank R: ErrorType: message" when a rank dies of an error outside a step (at
+start-up, say: a missing GPU, an unreadable model dir), so the coordinator can say why.
+
 `ready` appears once every rank holds the model. It reads "WORLD_SIZE RESUMED_STEP" (see
 `ready_text` / `parse_ready`). RESUMED_STEP is 0 for a fresh start, or N when the trainer was
 started with `resume: true` and found its newest checkpoint, `checkpoints/step_N`. Either way
@@ -28,6 +31,7 @@ from pathlib import Path
 READY = "ready"
 STOP = "STOP"
 COMMITTED = "committed"
+FAILED = "failed"
 
 
 def batch_path(run_dir: Path, step: int) -> Path:
