@@ -85,8 +85,7 @@ class TrainerProcess:
             failed = self.run_dir / protocol.FAILED
             why = f" ({failed.read_text().strip()})" if failed.exists() else ""
             raise TrainerError(
-                f"trainer exited with code {self._proc.returncode}{why}:\n"
-                f"{log_tail(self.log_path)}"
+                f"trainer exited with code {self._proc.returncode}{why}:\n{log_tail(self.log_path)}"
             )
 
     async def train_step(self, batch: TrainBatch) -> StepResult:
