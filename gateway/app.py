@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
-from lockgate.gateway.chat_routes import ChatRoutes
+from lockgate.gateway.chat_routes import GatewayAPI
 from lockgate.gateway.completions import complete
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.constraints import tool_call_constraint
@@ -72,7 +72,7 @@ from lockgate.gateway.schema import (
 )
 from lockgate.gateway.stops import StopScanner, as_list, cut_at_stop
 from lockgate.gateway.store import SessionRow, TrajectoryStore
-from lockgate.gateway.streaming import DeltaTracker, bursts
+from lockgate.gateway.streaming import DeltaTracker
 from lockgate.gateway.sync import SyncController
 from lockgate.gateway.weights import DiskWeights
 
@@ -485,10 +485,11 @@ class Gateway:
                 opening += update
             yield opening
             if primed:
-                async with contextlib.aclosing(bursts(chunks)) as arrivals:
-                    async for _ in arrivals:
-                        if update := progress():
-                            yield update
+                # One step per burst of upstream chunks (generation.py): the tokens that came
+                # while the last update was being sent go out together.
+                async for _ in chunks:
+                    if update := progress():
+                        yield update
             parsed = self._parse(call, tracker.final(s.token_ids))
             await self.record(call)
         except GatewayError as exc:
@@ -640,11 +641,11 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         finally:
             await gateway.close()
 
-    app = FastAPI(title="lockgate gateway", lifespan=lifespan)
+    app = GatewayAPI(title="lockgate gateway", lifespan=lifespan)
     app.state.gateway = gateway
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
-    # Outermost: chat calls are answered before FastAPI's own machinery (chat_routes.py).
-    app.add_middleware(ChatRoutes, gateway=gateway)
+    # Chat calls are answered before FastAPI's own machinery (chat_routes.py).
+    app.answer_chat_calls(gateway)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:

@@ -5,6 +5,8 @@ stack, matching the path against every route, solving each endpoint's dependenci
 `Request`) cost about a fifth of a call's CPU (cProfile, non-streamed, 16 connections). So
 `ChatRoutes` sits in front of FastAPI and answers `POST /sessions/{session_id}/v1/chat/completions`
 and `POST /v1/chat/completions` itself; every other request goes on to FastAPI as before.
+`GatewayAPI` puts it ahead of even Starlette's outermost error middleware, which would wrap every
+message a chat call sends in one more coroutine.
 
 What FastAPI's route gave these is kept: the request metrics under the same route templates,
 OpenAI-shaped errors (a `GatewayError` as itself, anything else as a logged 500), and a stream
@@ -19,6 +21,7 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
+from fastapi import FastAPI
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -74,6 +77,21 @@ class ChatRoutes:
             error = internal_error(exc)
         gateway.metrics.error(error)
         return error_response(error)
+
+
+class GatewayAPI(FastAPI):
+    """FastAPI whose chat routes are answered before any of its own machinery runs."""
+
+    _chat_routes: ChatRoutes | None = None
+
+    def answer_chat_calls(self, gateway: Gateway) -> None:
+        self._chat_routes = ChatRoutes(super().__call__, gateway)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._chat_routes is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self._chat_routes(scope, receive, send)
 
 
 def _match(scope: Scope) -> tuple[str | None, str | None]:

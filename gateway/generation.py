@@ -123,7 +123,8 @@ class CallGenerator:
         self.sampled = Sampled()
 
     async def run(self) -> AsyncIterator[int]:
-        """Generate to a real finish; yields the number of tokens held after each chunk."""
+        """Generate to a real finish; yields the number of tokens held after each burst of
+        chunks (what arrived while the consumer was away)."""
         s = self.sampled
         failed_replicas: set[str] = set()
         for _ in range(MAX_SEGMENTS):
@@ -146,32 +147,37 @@ class CallGenerator:
                 segment.offset = len(s.token_ids)
                 end, finish, labelled = None, None, None
                 start = len(s.token_ids)
-                async with contextlib.aclosing(self._segment(segment, replica, remaining)) as items:
-                    async for item in items:
-                        if isinstance(item, _SegmentEnd):
-                            end = item
-                            continue
-                        if item.token_ids:
-                            if not s.replicas or s.replicas[-1] != replica.url:
-                                s.replicas.append(replica.url)  # replicas that made tokens
-                            held = len(s.token_ids)
-                            s.token_ids.extend(item.token_ids)
-                            s.logprobs.extend(item.logprobs)
-                            s.token_versions.extend([version] * len(item.token_ids))
-                            if item.top_logprobs is not None:
-                                s.top_logprobs.extend(item.top_logprobs)
-                            segment.tokens += len(item.token_ids)
-                            keep = self._stop.scan(s.token_ids, held) if self._stop else None
-                            if keep is not None:
-                                # Leaving the loop closes the stream: vLLM stops generating.
-                                s.truncate(keep)
-                                s.finish_reason = "stop"
-                                yield len(s.token_ids)
-                                return
+                async with contextlib.aclosing(
+                    self._segment(segment, replica, remaining)
+                ) as arrivals:
+                    async for arrived in arrivals:
+                        held_before = len(s.token_ids)
+                        for item in arrived:
+                            if isinstance(item, _SegmentEnd):
+                                end = item
+                                continue
+                            if item.token_ids:
+                                if not s.replicas or s.replicas[-1] != replica.url:
+                                    s.replicas.append(replica.url)  # replicas that made tokens
+                                held = len(s.token_ids)
+                                s.token_ids.extend(item.token_ids)
+                                s.logprobs.extend(item.logprobs)
+                                s.token_versions.extend([version] * len(item.token_ids))
+                                if item.top_logprobs is not None:
+                                    s.top_logprobs.extend(item.top_logprobs)
+                                segment.tokens += len(item.token_ids)
+                                keep = self._stop.scan(s.token_ids, held) if self._stop else None
+                                if keep is not None:
+                                    # Leaving the loop closes the stream: vLLM stops generating.
+                                    s.truncate(keep)
+                                    s.finish_reason = "stop"
+                                    yield len(s.token_ids)
+                                    return
+                            if item.finish_reason is not None:
+                                finish = item.finish_reason
+                                labelled = _labelled_versions(item, len(s.token_ids) - start)
+                        if len(s.token_ids) > held_before:
                             yield len(s.token_ids)
-                        if item.finish_reason is not None:
-                            finish = item.finish_reason
-                            labelled = _labelled_versions(item, len(s.token_ids) - start)
             finally:
                 self._gate.end(segment)
             assert end is not None
@@ -230,8 +236,10 @@ class CallGenerator:
 
     async def _segment(
         self, segment: Segment, replica: ReplicaClient, remaining: int
-    ) -> AsyncIterator[ReplicaChunk | _SegmentEnd]:
-        """Stream one segment through a queue fed by its own task.
+    ) -> AsyncIterator[list[ReplicaChunk | _SegmentEnd]]:
+        """Stream one segment through a queue fed by its own task, in bursts: each step yields
+        every chunk that arrived since the last, so a consumer that was busy (sending the
+        previous update to its agent) takes what came meanwhile in one go.
 
         The task is what the sync controller cancels to cut a segment the replica did not abort
         in time; cancelling it closes the upstream stream, which aborts the request in vLLM.
@@ -264,9 +272,11 @@ class CallGenerator:
         segment.task = task
         try:
             while True:
-                item = await queue.get()
-                yield item
-                if isinstance(item, _SegmentEnd):
+                arrived = [await queue.get()]
+                while not queue.empty():
+                    arrived.append(queue.get_nowait())
+                yield arrived
+                if isinstance(arrived[-1], _SegmentEnd):  # always the last thing queued
                     return
         finally:
             if not task.done():

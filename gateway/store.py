@@ -108,9 +108,9 @@ class TrajectoryStore:
         self._thread = StoreThread("lockgate-store")
         self._conn: sqlite3.Connection | None = None
         self._thread.call(self._open)
-        # Calls waiting for the next group commit, and the task writing them (None when idle).
+        # Calls waiting for the next group commit; set while a commit is on the store's thread.
         self._pending: list[tuple[CallRecord, asyncio.Future[None]]] = []
-        self._writer: asyncio.Task[None] | None = None
+        self._committing: asyncio.Future[None] | None = None
 
     def _open(self) -> None:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -129,8 +129,8 @@ class TrajectoryStore:
 
     async def flush(self) -> None:
         """Wait until every call handed to `add_call` so far is written."""
-        while self._writer is not None and not self._writer.done():
-            await asyncio.shield(self._writer)
+        while self._committing is not None:
+            await asyncio.shield(self._committing)
 
     def close(self) -> None:
         def _close() -> None:
@@ -214,37 +214,52 @@ class TrajectoryStore:
     # -- calls ----------------------------------------------------------------------------------
 
     async def add_call(self, call: CallRecord) -> None:
-        """Record a call and bump its session's counters; returns once that is committed."""
+        """Record a call and bump its session's counters; returns once that is committed.
+
+        The call is written even if its waiter is cancelled (an agent that hung up): it is in
+        the batch already, and only the waiting stops.
+        """
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((call, done))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_pending(), name="store-group-commit")
-        # Shielded: an agent that hangs up does not cancel the write of its call.
-        await asyncio.shield(done)
+        if self._committing is None:
+            self._commit_next()
+        await done
 
-    async def _write_pending(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            try:
-                errors = await self._run(
-                    lambda conn, b=batch: _insert_calls(conn, [c for c, _ in b])
-                )
-            except asyncio.CancelledError:
-                # The gateway is shutting down: no waiter is left hanging.
-                for _, done in batch + self._pending:
-                    done.cancel()
-                self._pending = []
-                raise
-            except Exception as exc:
-                # Never lose a failure: every waiter of the batch gets it; later batches still run.
-                errors = [exc] * len(batch)
-            for (_, done), error in zip(batch, errors, strict=True):
-                if done.done():
-                    continue
-                if error is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(error)
+    def _commit_next(self) -> None:
+        """Hand the next batch to the store's thread; its settling hands over the one after.
+
+        No task runs the group commit: a lone call costs one job on the thread and one
+        callback on the loop, which matters when every call commits alone (one connection).
+        """
+        batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+        if self._committing is None:
+            self._committing = asyncio.get_running_loop().create_future()
+        calls = [c for c, _ in batch]
+        self._thread.submit(
+            lambda: self._with_conn(lambda conn: _insert_calls(conn, calls)),
+            lambda errors, exc: self._committed(batch, errors, exc),
+        )
+
+    def _committed(
+        self,
+        batch: list[tuple[CallRecord, asyncio.Future[None]]],
+        errors: list[Exception | None] | None,
+        exc: BaseException | None,
+    ) -> None:
+        # Never lose a failure: every waiter of the batch gets it; later batches still run.
+        outcomes = errors if errors is not None else [exc] * len(batch)
+        for (_, done), error in zip(batch, outcomes, strict=True):
+            if done.done():  # its waiter was cancelled; the record was still written
+                continue
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+        if self._pending:
+            self._commit_next()
+        elif self._committing is not None:
+            self._committing.set_result(None)
+            self._committing = None
 
     async def get_calls(self, session_id: str) -> list[CallRecord]:
         def _select(conn: sqlite3.Connection) -> list[CallRecord]:

@@ -50,17 +50,23 @@ class StoreThread:
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the thread, jobs in submission order; its result or its exception."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.submit(fn, lambda result, error: _settle(future, result, error))
+        return await future
+
+    def submit(
+        self, fn: Callable[[], T], then: Callable[[T | None, BaseException | None], None]
+    ) -> None:
+        """Run `fn` on the thread, then `then(result, error)` on the calling loop."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
 
         def settle(result: Any, error: BaseException | None) -> None:
             try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                loop.call_soon_threadsafe(then, result, error)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
         self._jobs.put((fn, settle))
-        return await future
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the thread and block until it is done (for opening and closing)."""

@@ -2,7 +2,8 @@
 
 The parser that gives the final message also gives the deltas: each update re-parses all ids
 received so far and forwards only what extends what was already sent. Re-parsing is O(n) per
-update, so updates are made per *burst* of upstream chunks, not per chunk (`bursts`): when the
+update, so updates are made per *burst* of upstream chunks, not per chunk (each step of
+`CallGenerator.run` takes every chunk that arrived since the last): when the
 gateway keeps up, every chunk is its own burst and goes out at once; when it falls behind, the
 chunks that queued up meanwhile cost one parse, not one each, so the work per call stays bounded
 by the gateway's own pace instead of growing with the square of the completion length. The last
@@ -14,10 +15,8 @@ finish). So the concatenated deltas are the non-streamed content, token for toke
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lockgate.gateway.rendering import ChatRenderer, ParsedCompletion
@@ -108,48 +107,3 @@ class DeltaTracker:
         elif reasoning:
             log.warning("streamed reasoning diverged from the parse; holding the rest back")
         return delta
-
-
-async def bursts(chunks: AsyncIterator[int]) -> AsyncIterator[None]:
-    """Yield once per burst of `chunks`: after every chunk that arrived since the last yield.
-
-    The chunks are consumed by a task of their own, so the ones that arrive while the consumer
-    of this iterator is busy are taken together. An error of `chunks` is raised here; closing
-    this iterator cancels the task, which closes the upstream generation.
-    """
-    ready = asyncio.Event()
-    arrived = 0  # chunks since the last yield
-    ended = False
-    error: BaseException | None = None
-
-    async def pump() -> None:
-        nonlocal arrived, ended, error
-        try:
-            async for _ in chunks:
-                arrived += 1
-                ready.set()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # handed to the consumer, which raises it
-            error = exc
-        finally:
-            ended = True
-            ready.set()
-
-    task = asyncio.create_task(pump(), name="stream-bursts")
-    try:
-        while True:
-            await ready.wait()
-            ready.clear()
-            if arrived:
-                arrived = 0
-                yield
-            if error is not None:
-                raise error
-            if ended:
-                return
-    finally:
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
