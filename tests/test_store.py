@@ -105,3 +105,30 @@ def test_the_store_thread_runs_jobs_in_order_and_hands_back_results_and_errors()
     asyncio.run(run())
     assert thread.call(lambda: 7) == 7
     thread.stop()
+
+
+def test_a_hung_up_waiter_still_gets_its_call_written_and_flush_waits_for_every_call(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "t.sqlite"
+
+    async def run() -> None:
+        store = TrajectoryStore(path)
+        await _sessions(store, 10)
+        # A slow job ahead on the store's thread: the first call's commit waits behind it and
+        # the other nine queue up for the commit after.
+        slow = asyncio.ensure_future(store._thread.run(lambda: time.sleep(0.2)))
+        waiters = [asyncio.ensure_future(store.add_call(_call(f"s{i}", 0))) for i in range(10)]
+        await asyncio.sleep(0.05)
+        for waiter in waiters[:5]:  # the first in the commit under way, four still queued
+            waiter.cancel()
+        await store.flush()
+        assert _committed_calls(path) == 10
+        assert all(w.cancelled() for w in waiters[:5])
+        assert await asyncio.gather(*waiters[5:]) == [None] * 5
+        await slow
+        await store.add_call(_call("s0", 1))  # the store goes on as before
+        assert _committed_calls(path) == 11
+        store.close()
+
+    asyncio.run(run())
