@@ -16,8 +16,8 @@ from lockgate.trainer.batch import StepResult, TrainBatch, TrainSample
 from lockgate.trainer.config import Device, TrainerConfig
 from lockgate.trainer.logprobs import logprobs_from_dir
 
-# CI has no GPU, so these run only where one is (docs/design.md, "GPU", says how and when they
-# last ran); every path they cover also runs on the CPU in CI.
+# CI has no GPU, so these run only where one is (docs/design.md, "GPU", says how to run them
+# and whether they have run yet); every path they cover also runs on the CPU in CI.
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
