@@ -31,7 +31,7 @@ class TrainerConfig(BaseModel):
         default="auto",
         description=(
             "cuda: one GPU per rank, NCCL, bf16 compute with fp32 master weights; cpu: gloo, "
-            "fp32 throughout; auto: cuda when a GPU is visible."
+            "fp32 throughout; auto: cuda when every rank on the node gets a GPU, else cpu."
         ),
     )
     num_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
