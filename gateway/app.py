@@ -477,18 +477,24 @@ class Gateway:
             extra = logprobs_extra()
             return event(deltas(d.content, d.reasoning), **extra) if d or extra else None
 
+        # Events ready at the same moment go out in one write: the role and what the first
+        # tokens say; at the end, the rest, the finish, the usage and [DONE]. An update made
+        # once the replica's real finish is in waits for the ending and goes out with it, so
+        # an answer that arrives whole is one write.
+        held = event({"role": "assistant", "content": ""})
         try:
-            # Events ready at the same moment go out in one write: the role and what the first
-            # tokens say; at the end, the rest, the finish, the usage and [DONE].
-            opening = event({"role": "assistant", "content": ""})
             if primed and (update := progress()):
-                opening += update
-            yield opening
-            if primed:
-                # One step per burst of upstream chunks (generation.py): the tokens that came
-                # while the last update was being sent go out together.
-                async for _ in chunks:
-                    if update := progress():
+                held += update
+            if not call.generator.finished:
+                yield held
+                held = b""
+            # One step per burst of upstream chunks (generation.py): the tokens that came
+            # while the last update was being sent go out together.
+            async for _ in chunks:
+                if update := progress():
+                    if call.generator.finished:
+                        held += update
+                    else:
                         yield update
             parsed = self._parse(call, tracker.final(s.token_ids))
             await self.record(call)
@@ -496,7 +502,7 @@ class Gateway:
             self.metrics.error(exc)
             await chunks.aclose()
             await self.record_unfinished(call)
-            yield b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
+            yield held + b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
             return
         finally:
             await chunks.aclose()
@@ -522,7 +528,7 @@ class Gateway:
             }
             closing.append(b"data: " + orjson.dumps(usage) + b"\n\n")
         closing.append(b"data: [DONE]\n\n")
-        yield b"".join(closing)
+        yield held + b"".join(closing)
 
     def sampling_for(
         self, req: ChatCompletionRequest | CompletionRequest, room: int

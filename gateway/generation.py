@@ -121,10 +121,12 @@ class CallGenerator:
         self._constrained = "structured_outputs" in sampling
         self._stop = stop
         self.sampled = Sampled()
+        self.finished = False
 
     async def run(self) -> AsyncIterator[int]:
         """Generate to a real finish; yields the number of tokens held after each burst of
-        chunks (what arrived while the consumer was away)."""
+        chunks (what arrived while the consumer was away). `finished` is set from the burst
+        that carries the replica's real finish: no token comes after it."""
         s = self.sampled
         failed_replicas: set[str] = set()
         for _ in range(MAX_SEGMENTS):
@@ -176,6 +178,9 @@ class CallGenerator:
                             if item.finish_reason is not None:
                                 finish = item.finish_reason
                                 labelled = _labelled_versions(item, len(s.token_ids) - start)
+                        # What follows a real finish is only the stream's end: a consumer can
+                        # hold this burst's update back and send it with the ending.
+                        self.finished = finish in ("stop", "length")
                         if len(s.token_ids) > held_before:
                             yield len(s.token_ids)
             finally:

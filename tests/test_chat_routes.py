@@ -38,6 +38,23 @@ class SlowReplica(FakeReplica):
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
 
+def _chat_scope(sid: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": f"/sessions/{sid}/v1/chat/completions",
+        "raw_path": f"/sessions/{sid}/v1/chat/completions".encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("gw", 80),
+        "client": ("agent", 1234),
+    }
+
+
 async def test_a_stream_whose_client_disconnects_stops(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -70,20 +87,7 @@ async def test_a_stream_whose_client_disconnects_stops(
             if len(sent) == 4:  # the headers and three bursts of events
                 gone.set()
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": f"/sessions/{sid}/v1/chat/completions",
-            "raw_path": f"/sessions/{sid}/v1/chat/completions".encode(),
-            "root_path": "",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-            "server": ("gw", 80),
-            "client": ("agent", 1234),
-        }
+        scope = _chat_scope(sid)
         started = time.monotonic()
         await asyncio.wait_for(app(scope, receive, send), TOKENS * TOKEN_INTERVAL_S)
         # Well before the replica would have finished: the stream stopped at the disconnect.
@@ -97,3 +101,63 @@ async def test_a_stream_whose_client_disconnects_stops(
             json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         )
         assert r.status_code == 200, r.text
+
+
+async def test_a_stream_whose_whole_answer_arrives_at_once_is_one_write(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The replica sends every token and the finish in one read: the role, the content, the
+    finish, the usage and [DONE] go out in one body message after the headers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    replica = FakeReplica(completion=tok.encode(" hello there", add_special_tokens=False))
+    async with serve_gateway(tiny_model_dir, tmp_path, {REPLICA: replica}) as (client, app):
+        r = await client.post(
+            "/admin/sessions", json={"task_id": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        sid = r.json()["session_id"]
+        request = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        sent: list[dict[str, Any]] = []
+        delivered = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if not sent:
+                return {"type": "http.request", "body": json.dumps(request).encode()}
+            await delivered.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if not message.get("more_body", True):
+                delivered.set()
+
+        await asyncio.wait_for(app(_chat_scope(sid), receive, send), 30)
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert sent[1]["more_body"] is False
+        events = [
+            line.removeprefix("data: ")
+            for line in sent[1]["body"].decode().split("\n\n")
+            if line.startswith("data: ")
+        ]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        content = "".join(
+            c["choices"][0]["delta"].get("content", "") for c in chunks[:-1] if c["choices"]
+        )
+        r = await client.post(
+            "/admin/sessions", json={"task_id": "t"}, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        plain = await client.post(
+            f"/sessions/{r.json()['session_id']}/v1/chat/completions",
+            json={**request, "stream": False, "stream_options": None},
+        )
+        assert content == plain.json()["choices"][0]["message"]["content"] != ""
+        assert chunks[-2]["choices"][0]["finish_reason"] is not None
+        assert chunks[-1]["usage"]["completion_tokens"] == len(replica.completion)
