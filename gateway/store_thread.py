@@ -3,8 +3,8 @@
 `loop.run_in_executor` costs a `concurrent.futures.Future` (a lock and a condition) chained to
 an asyncio future in both directions, on every call; at one connection the gateway commits
 every call alone, so that chain was a visible share of a call's CPU. Here a job is a function
-and the asyncio future to settle: the thread takes it from a `SimpleQueue` and settles the
-future with one `call_soon_threadsafe`.
+and what to do with its outcome: the thread takes it from a `SimpleQueue` and hands the outcome
+back with one `call_soon_threadsafe` (`submit`: a callback on the loop; `run`: an awaitable).
 """
 
 from __future__ import annotations
