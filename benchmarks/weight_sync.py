@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[key] = {
                     **summarize(rows, nbytes, gbps),
                     "cpus": cpus,
-                    "memcpy_gbps_1_thread": memcpy_gbps(nbytes),
+                    "memcpy_gbps_1_thread": gbps if cpus == 1 else memcpy_gbps(nbytes),
                     "load_ms_each": [round(1e3 * r["load_s"]) for r in rows],
                     "loadavg": Path("/proc/loadavg").read_text().split()[:3],
                 }
