@@ -3,6 +3,8 @@
 Each child gets its own process group (so stopping it stops everything it started) and
 `PR_SET_PDEATHSIG = SIGKILL` (so even a SIGKILL of the coordinator takes it down). The death
 signal fires when the *spawning thread* exits, so spawn from a long-lived thread (the main one).
+It reaches the child alone: a command whose own children would outlive it (a vLLM server) is
+spawned with `guard=True`, under `group_guard`, which takes its whole group down instead.
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+from lockgate.coordinator.group_guard import PARENT_DIED
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _die_with_parent(sig: signal.Signals) -> Callable[[], None]:
+    def preexec() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+    return preexec
 
 
 def spawn(
@@ -28,18 +36,26 @@ def spawn(
     log_path: Path,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    *,
+    guard: bool = False,
 ) -> subprocess.Popen[bytes]:
+    """Start `cmd` logging to `log_path`; with `guard`, under `group_guard` (the returned
+    process is then the guard, and the command its child in the same group)."""
+    argv, death = list(cmd), signal.SIGKILL
+    if guard:
+        argv = [sys.executable, "-m", "lockgate.coordinator.group_guard", *argv]
+        death = PARENT_DIED
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            list(cmd),
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent(death),
         )
 
 

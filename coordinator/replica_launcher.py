@@ -189,7 +189,9 @@ class LocalReplicaSet:
         try:
             for i, port in enumerate(self._ports()):
                 log_path = c.log_dir / f"replica{i}.log"
-                proc = spawn(self.command(port), log_path, env=self.environment(binds[i]))
+                proc = spawn(
+                    self.command(port), log_path, env=self.environment(binds[i]), guard=True
+                )
                 url = f"http://{_url_host(c.host)}:{port}"
                 self._replicas.append(Replica(i, url, port, log_path, proc))
         except BaseException:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,3 +100,55 @@ def test_start_then_stop_leaves_no_process(tiny_model_dir: Path, tmp_path: Path)
         assert httpx.get(f"{replica.url}/health", timeout=10).status_code == 200
     _assert_gone(replica)
     replica_set.stop()  # idempotent
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that still run (zombies waiting for init are done)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+_COORDINATOR = """
+import sys, time
+from pathlib import Path
+from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+config = ReplicaLaunchConfig(model_dir=Path(sys.argv[1]), log_dir=Path(sys.argv[2]))
+with LocalReplicaSet(config) as replica_set:
+    print(replica_set.replicas[0].proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_coordinator_takes_the_whole_replica_with_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of the process that started a replica: no cleanup of its own runs, yet the
+    server, its engine core and its worker all go (vLLM's children used to run on, orphaned)."""
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", _COORDINATOR, str(tiny_model_dir), str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert coordinator.stdout is not None
+        line = coordinator.stdout.readline()
+        assert line.strip().isdigit(), f"the replica did not start: {line!r}"
+        pgid = int(line)
+        # The server, its engine core and its worker, under the guard.
+        assert len(_live_members(pgid)) >= 4, _live_members(pgid)
+    finally:
+        coordinator.kill()
+        coordinator.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while members := _live_members(pgid):
+        assert time.monotonic() < deadline, f"processes {members} outlived their coordinator"
+        time.sleep(0.2)
