@@ -106,6 +106,7 @@ def stack(
     eager: bool = False,
     direct: bool = True,
     cpus: int = 1,
+    pause_route: bool = True,
 ) -> Iterator[tuple[str, GatewayProcess]]:
     replica_set = LocalReplicaSet(
         ReplicaLaunchConfig(
@@ -121,6 +122,8 @@ def stack(
             # glibc's default allocator settings), for the comparison.
             snapshot_load=direct,
             keep_freed_memory=direct,
+            # False: the gateway pauses through vLLM's own /pause (for the comparison).
+            pause_route=pause_route,
             # cpus > 1 (one replica): its threads span the first `cpus` cores.
             cpu_binds=None if cpus == 1 else [f"0-{cpus - 1}"] * replicas,
         )
@@ -187,6 +190,9 @@ async def sync_once(admin: GatewayClient, path: Path, version: int) -> dict[str,
         "pause_gateway_s": pause.latency_s,
         "streams_closed_s": pause.streams_closed_s,
         "replicas_paused_s": pause.replicas_paused_s,
+        "engines_paused_s": float("nan")
+        if pause.engines_paused_s is None
+        else pause.engines_paused_s,
         "interrupted": pause.interrupted,
         "tokens_kept": pause.tokens_kept,
         "load_s": loaded - paused,
@@ -215,7 +221,8 @@ async def run_syncs(
                 print(
                     f"  sync {i + 1}/{syncs}: pause {r['pause_s'] * 1e3:.0f} ms "
                     f"(streams closed {r['streams_closed_s'] * 1e3:.0f}, "
-                    f"vLLM paused {r['replicas_paused_s'] * 1e3:.0f}) "
+                    f"vLLM paused {r['replicas_paused_s'] * 1e3:.0f}, "
+                    f"in its engine {r['engines_paused_s'] * 1e3:.0f}) "
                     f"({r['interrupted']:.0f} cut, {r['tokens_kept']:.0f} tokens kept), "
                     f"load {r['load_s'] * 1e3:.0f} ms, total {r['sync_s'] * 1e3:.0f} ms",
                     flush=True,
@@ -241,6 +248,8 @@ def summarize(rows: list[dict[str, float]], nbytes: int, gbps: float) -> dict[st
         "streams_closed_ms_p99": 1e3 * percentile(col["streams_closed_s"], 99),
         "replicas_paused_ms_p50": 1e3 * statistics.median(col["replicas_paused_s"]),
         "replicas_paused_ms_p99": 1e3 * percentile(col["replicas_paused_s"], 99),
+        "engines_paused_ms_p50": 1e3 * statistics.median(col["engines_paused_s"]),
+        "engines_paused_ms_p99": 1e3 * percentile(col["engines_paused_s"], 99),
         "cut_per_pause_mean": statistics.mean(col["interrupted"]),
         "load_ms_p50": 1e3 * load_p50,
         "sync_ms_p50": 1e3 * statistics.median(col["sync_s"]),
@@ -284,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         default="direct",
         help="how the 0.5B replica loads: the direct load (default) or vLLM's reload_weights",
     )
+    parser.add_argument(
+        "--vllm-pause",
+        action="store_true",
+        help="tiny part: replicas without lockgate's pause route (vLLM's /pause, for comparison)",
+    )
     args = parser.parse_args(argv)
 
     RESULTS.mkdir(exist_ok=True)
@@ -296,11 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_tiny:
             print(f"tiny model, 2 replicas, {args.agents} agents, {args.syncs} syncs", flush=True)
             (work / "tiny").mkdir()
-            with stack(tiny, 2, work / "tiny") as (url, _):
+            with stack(tiny, 2, work / "tiny", pause_route=not args.vllm_pause) as (url, _):
                 rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8)))
             nbytes = snapshot_bytes(tiny)
-            results["tiny"] = summarize(rows, nbytes, memcpy_gbps(nbytes))
-            plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
+            key = "tiny_vllm_pause" if args.vllm_pause else "tiny"
+            results[key] = {
+                **summarize(rows, nbytes, memcpy_gbps(nbytes)),
+                "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+            }
+            if not args.vllm_pause:
+                plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
 
         if not args.skip_big:
             big = build_big_model(tiny, Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b")

@@ -24,6 +24,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lockgate.coordinator.processes import free_port, log_tail, spawn, terminate
+from lockgate.gateway.replica_routes import REPLICA_ROUTES
 from lockgate.gateway.weights import SNAPSHOT_LOAD_EXTENSION
 
 _POLL_S = 0.5
@@ -57,6 +58,9 @@ class ReplicaLaunchConfig(BaseModel):
     # The worker extension that loads disk snapshots directly (gateway/replica_load.py);
     # without it the gateway loads them with vLLM's reload_weights.
     snapshot_load: bool = True
+    # lockgate's pause route (gateway/replica_routes.py): vLLM's engine pause without the 20 ms
+    # sleep vLLM's own /pause adds; without it the gateway uses /pause.
+    pause_route: bool = True
     # glibc keeps memory freed by the process for reuse instead of returning it to the
     # system: a weight load replaces ~all of the model's packed weights, and memory taken
     # fresh from the system costs a page fault per 4 KiB, most of a load's time here (what
@@ -150,6 +154,7 @@ class LocalReplicaSet:
             str(c.max_model_len),
             "--enable-scale-out",
             *(["--worker-extension-cls", SNAPSHOT_LOAD_EXTENSION] if c.snapshot_load else []),
+            *(["--middleware", REPLICA_ROUTES] if c.pause_route else []),
             *c.extra_args,
         ]
 

@@ -15,9 +15,10 @@ import httpx
 import orjson
 
 from lockgate.gateway.errors import GatewayError, upstream_failed
+from lockgate.gateway.replica_routes import PAUSE_PATH
 from lockgate.gateway.upstream import HttpxUpstream, ReplicaUnavailable, Upstream
 
-__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "parse_events"]
+__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "RouteMissing", "parse_events"]
 
 # Generation may legitimately run for minutes; admin calls must not hang a sync.
 _ADMIN_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
@@ -34,6 +35,10 @@ class ReplicaChunk:
     weight_versions: list[dict[str, Any]] | None = None
     # per token, (token id, logprob) candidates best first; only when top-k logprobs were asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class RouteMissing(ReplicaUnavailable):
+    """The replica answered 404: it does not have this route."""
 
 
 def _replica_error(status: int, text: str) -> GatewayError:
@@ -137,6 +142,8 @@ class ReplicaClient:
         self._generate_url = f"{self.url}/inference/v1/generate"
         # Whether the replica loads disk snapshots directly (None: not asked yet; weights.py).
         self.snapshot_load: bool | None = None
+        # Whether it has lockgate's pause route (replica_routes.py; None: not tried yet).
+        self.pause_route: bool | None = None
 
     async def generate_stream(
         self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str
@@ -202,9 +209,8 @@ class ReplicaClient:
                         f"{self.url}{path}: {type(exc).__name__}: {exc}"
                     ) from exc
         if resp.status_code != 200:
-            raise ReplicaUnavailable(
-                f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}"
-            )
+            error = RouteMissing if resp.status_code == 404 else ReplicaUnavailable
+            raise error(f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
         return resp.json() if resp.content else None
 
     async def reset_prefix_cache(self) -> None:
@@ -219,14 +225,26 @@ class ReplicaClient:
         value = info.get("weight_version") if isinstance(info, dict) else None
         return None if value is None else str(value)
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: str) -> float | None:
         """vLLM's own pause: `abort` ends running requests (partial tokens returned), `keep`
         freezes them until resume; either way the engine schedules nothing new.
 
         The pause keeps vLLM's caches: resetting the prefix cache walks every KV block, time
         the pause would wait for; a sync resets it once the new weights are in (and a pause
-        resumed on the same weights keeps a valid cache)."""
+        resumed on the same weights keeps a valid cache). On a replica with lockgate's route
+        it is the same engine pause without vLLM's 20 ms sleep (replica_routes.py), and the
+        seconds the engine took come back; None from vLLM's /pause."""
+        if self.pause_route is not False:
+            try:
+                answer = await self.call_admin(PAUSE_PATH, params={"mode": mode})
+            except RouteMissing:
+                self.pause_route = False
+            else:
+                self.pause_route = True
+                engine_s = answer.get("engine_s") if isinstance(answer, dict) else None
+                return None if engine_s is None else float(engine_s)
         await self.call_admin("/pause", params={"mode": mode, "clear_cache": "false"})
+        return None
 
     async def resume(self) -> None:
         await self.call_admin("/resume")

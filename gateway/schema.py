@@ -326,6 +326,10 @@ class PauseReport(BaseModel):
     # abort mode, from the pause request: every cut stream closed / every replica paused in vLLM
     streams_closed_s: float = 0.0
     replicas_paused_s: float = 0.0
+    # Of replicas_paused_s, the longest time an engine itself took, as its replica reports it
+    # (replicas with lockgate's pause route; None if none has it): the rest is HTTP to the
+    # replicas' API servers and back.
+    engines_paused_s: float | None = None
 
 
 class LoadWeights(BaseModel):

@@ -52,6 +52,7 @@ class SyncController:
             cut_before, kept_before = self.gate.interruptions, self.gate.tokens_kept
             await self.gate.set_state("pausing")
             idle_s = replicas_s = 0.0
+            engines_s: float | None = None
             try:
                 if mode == "abort":
                     self._cut_segments()
@@ -60,7 +61,8 @@ class SyncController:
                         await self._wait_idle_or_fail(timeout_s, mode)
 
                     async def replicas_paused() -> float:
-                        await self._pause_replicas("abort")
+                        nonlocal engines_s
+                        engines_s = await self._pause_replicas("abort")
                         return time.perf_counter() - started
 
                     async def idle() -> float:
@@ -70,7 +72,7 @@ class SyncController:
                     # Side by side: the cut streams wind down while vLLM pauses its engines.
                     replicas_s, idle_s = await asyncio.gather(replicas_paused(), idle())
                 elif mode == "keep":
-                    await self._pause_replicas("keep")
+                    engines_s = await self._pause_replicas("keep")
                 else:
                     await self._wait_idle_or_fail(timeout_s, mode)
             except BaseException:
@@ -86,11 +88,14 @@ class SyncController:
                 version=self.gate.version,
                 streams_closed_s=idle_s,
                 replicas_paused_s=replicas_s,
+                engines_paused_s=engines_s,
             )
 
-    async def _pause_replicas(self, mode: str) -> None:
+    async def _pause_replicas(self, mode: str) -> float | None:
+        """Pause every healthy replica in vLLM; the longest time an engine reported taking."""
         clients = self.pool.healthy_clients()
         results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
+        engines_s: float | None = None
         for client, result in zip(clients, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("replica %s did not pause (%s); out of rotation", client.url, result)
@@ -98,6 +103,9 @@ class SyncController:
                 self._cut_segments(client.url)
             else:
                 self._paused_replicas.add(client.url)
+                if result is not None:
+                    engines_s = max(result, engines_s or 0.0)
+        return engines_s
 
     def _cut_segments(self, replica: str | None = None) -> None:
         for segment in list(self.gate.segments.values()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +62,40 @@ def test_token_in_token_out_generate(replicas: LocalReplicaSet, tiny_model_dir: 
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
         assert len(logprobs) == len(token_ids)
         assert all(lp <= 0.0 for lp in logprobs)
+
+
+def test_lockgate_pause_route_aborts_what_runs_and_pauses_the_engine(
+    replicas: LocalReplicaSet,
+) -> None:
+    """The route the launcher adds (gateway/replica_routes.py), on a real vLLM server: a
+    generation in flight ends with finish `abort`, the engine reports paused, resume works."""
+    url = replicas.urls[0]
+    body = {
+        "token_ids": [1, 2, 3],
+        "sampling_params": {"max_tokens": 1500, "ignore_eos": True, "logprobs": 0},
+        "request_id": "pause-route",
+        "stream": True,
+    }
+    with httpx.Client(timeout=120) as http:
+        assert http.get(f"{url}/lockgate/pause").status_code == 405
+        bad = http.post(f"{url}/lockgate/pause", params={"mode": "wait"})
+        assert bad.status_code == 400 and "mode" in bad.json()["error"]
+        events: list[dict[str, object]] = []
+        with http.stream("POST", f"{url}/inference/v1/generate", json=body) as stream:
+            lines = stream.iter_lines()
+            for line in lines:  # the generation is running once its first tokens arrive
+                if line.startswith("data: {"):
+                    break
+            paused = http.post(f"{url}/lockgate/pause", params={"mode": "abort"})
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        try:
+            assert paused.status_code == 200, paused.text
+            assert paused.json()["status"] == "paused" and paused.json()["engine_s"] >= 0
+            assert http.get(f"{url}/is_paused").json()["is_paused"] is True
+            assert events[-1]["choices"][0]["finish_reason"] == "abort"
+        finally:
+            assert http.post(f"{url}/resume").status_code == 200
+        assert http.get(f"{url}/is_paused").json()["is_paused"] is False
 
 
 def test_bogus_model_fails_fast_with_the_log(tmp_path: Path) -> None:

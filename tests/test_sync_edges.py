@@ -26,15 +26,18 @@ WORDS = 100  # tokens per answer (2 s at step_s: calls stay in flight on a busy 
 @dataclass
 class SlowReplica:
     """Streams one token every `step_s`; `/pause?mode=abort` ends streams with finish `abort`,
-    `keep` freezes them until `/resume`; tokens are labelled with the engine's version label."""
+    `keep` freezes them until `/resume`; tokens are labelled with the engine's version label.
+    With `pause_route` it also answers lockgate's `/lockgate/pause` (else 404, as vLLM does)."""
 
     url: str
     tokens: list[int]
+    pause_route: bool = False
     step_s: float = 0.02
     label: str | None = None
     paused: str | None = None
     fail_loads_from: set[str] = field(default_factory=set)
     loads: list[str] = field(default_factory=list)
+    pause_calls: list[str] = field(default_factory=list)
     _resumed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
@@ -50,9 +53,14 @@ class SlowReplica:
                 headers={"content-type": "text/event-stream"},
                 content=self._stream(body["token_ids"], body["sampling_params"]["max_tokens"]),
             )
-        if path == "/pause":
+        if path == "/lockgate/pause" and not self.pause_route:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if path in ("/pause", "/lockgate/pause"):
+            self.pause_calls.append(path)
             self.paused = request.url.params["mode"]
             self._resumed.clear()
+            if path == "/lockgate/pause":
+                return httpx.Response(200, json={"status": "paused", "engine_s": 0.001})
         elif path == "/resume":
             self.paused = None
             self._resumed.set()
@@ -139,7 +147,11 @@ class Stack:
 
 @pytest.fixture
 async def stack(tiny_model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
-    replicas = [SlowReplica(f"http://replica-{i}", list(range(300, 300 + WORDS))) for i in range(2)]
+    # One replica with lockgate's pause route, one without (the gateway falls back to /pause).
+    replicas = [
+        SlowReplica(f"http://replica-{i}", list(range(300, 300 + WORDS)), pause_route=i == 0)
+        for i in range(2)
+    ]
     by_host = {r.url.removeprefix("http://"): r for r in replicas}
 
     async def route(req: httpx.Request) -> httpx.Response:
@@ -183,6 +195,7 @@ async def test_keep_freezes_calls_in_the_replica_and_labels_tokens_by_version(
     calls = await stack.start_calls(4)
     pause = await _sync(stack, "keep", str(tiny_model_dir), 1)
     assert pause["frozen"] == 4 and pause["interrupted"] == 0
+    assert pause["engines_paused_s"] == 0.001  # as the replica with lockgate's route said
     for sid, call in calls:
         resp = await call
         assert resp.status_code == 200
@@ -193,6 +206,8 @@ async def test_keep_freezes_calls_in_the_replica_and_labels_tokens_by_version(
         assert spans[0]["end"] == spans[1]["start"] >= 3
         assert spans[1]["end"] == len(rec["completion_ids"]) == WORDS
         assert rec["interruptions"] == 0
+    # Paused through lockgate's route where the replica has it, through vLLM's /pause otherwise.
+    assert [r.pause_calls for r in stack.replicas] == [["/lockgate/pause"], ["/pause"]]
 
 
 async def test_drain_lets_calls_finish_under_the_old_weights_before_pausing(
@@ -243,6 +258,10 @@ async def test_abort_cuts_and_resumes_every_call_with_all_its_tokens(
         assert rec["completion_ids"] == stack.replicas[0].tokens
         assert [sp["version"] for sp in rec["versions"]] == [0, 1]
         assert rec["interruptions"] == 1
+    # A second sync asks the replica without the route for /pause straight away.
+    await _sync(stack, "abort", str(tiny_model_dir), 2)
+    assert [r.pause_calls for r in stack.replicas] == [["/lockgate/pause"] * 2, ["/pause"] * 2]
+    assert [c.pause_route for c in stack.app.state.gateway.pool.clients] == [True, False]
 
 
 async def test_a_replica_that_fails_to_load_leaves_the_rotation(
