@@ -134,7 +134,7 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
         "temperature": config.sampling.temperature,
         "top_p": config.sampling.top_p,
         "stop_token_ids": renderer.stop_token_ids,
-        "skip_special_tokens": False,
+        "detokenize": False,
         "logprobs": 0,
     }
     direct_body = orjson.dumps(

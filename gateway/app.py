@@ -545,7 +545,9 @@ class Gateway:
             "temperature": temperature,
             "top_p": top_p,
             "stop_token_ids": self.renderer.stop_token_ids,
-            "skip_special_tokens": False,
+            # The gateway decodes (and scans stop strings) itself: vLLM's incremental
+            # detokenizer would run per token in the replica's API server for nothing.
+            "detokenize": False,
         }
         if req.seed is not None:
             sampling["seed"] = req.seed
