@@ -6,7 +6,8 @@ Two parts, each against real vLLM-CPU replicas behind a real gateway process:
    benchmark then runs `--syncs` weight syncs (pause abort -> load the same snapshot under a new
    version -> resume) at random moments. Pause latency = the `POST /admin/pause` request until
    its answer, which comes once every replica is quiescent (no segment in flight, every replica
-   paused in vLLM). Also reported: the gateway's own figure, segments cut, tokens kept.
+   paused in vLLM), timed by a lean client process of its own (`pause_client.py`). Also
+   reported: the gateway's own figure and its parts, segments cut, tokens kept.
 2. Full sync time for the tiny model and for a random-weight ~0.5B model (disk transport):
    pause + load + resume as the coordinator does it, with the load's bytes per second per
    replica next to this machine's single-threaded memory-copy bandwidth for the same bytes
@@ -26,6 +27,7 @@ import json
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,21 +165,38 @@ async def agent(url: str, admin: GatewayClient, stop: asyncio.Event, errors: lis
     return done
 
 
-def _timed_pause(url: str) -> tuple[float, PauseReport]:
-    """The pause request from a client of its own (a thread with a blocking connection), so the
-    round trip does not include the 32 agents' event loop in this process."""
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
-        http.get("/health")  # connect first: the timed request is the pause alone
-        started = time.perf_counter()
-        resp = http.post("/admin/pause", json={"mode": "abort", "timeout_s": 600})
-        elapsed = time.perf_counter() - started
-    resp.raise_for_status()
-    return elapsed, PauseReport.model_validate(resp.json()["pause"])
+class PauseClient:
+    """`benchmarks/pause_client.py` in a process of its own: pauses timed away from this
+    process's 32 agents, GIL and garbage collector."""
+
+    def __init__(self, url: str) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "pause_client.py"), url, ADMIN],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def pause(self) -> tuple[float, PauseReport]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write("abort\n")
+        self._proc.stdin.flush()
+        answer = json.loads(self._proc.stdout.readline())
+        if answer["status"] != 200:
+            raise RuntimeError(f"pause failed: {answer}")
+        return answer["rtt_s"], PauseReport.model_validate(answer["body"]["pause"])
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
 
 
-async def sync_once(admin: GatewayClient, path: Path, version: int) -> dict[str, float]:
+async def sync_once(
+    admin: GatewayClient, pauser: PauseClient, path: Path, version: int
+) -> dict[str, float]:
     started = time.perf_counter()
-    pause_rtt, pause = await asyncio.to_thread(_timed_pause, admin.base_url)
+    pause_rtt, pause = await asyncio.to_thread(pauser.pause)
     paused = time.perf_counter()
     load = await admin.load_weights(str(path), version)
     loaded = time.perf_counter()
@@ -210,13 +229,14 @@ async def run_syncs(
     async with GatewayClient(url, ADMIN, timeout=600) as admin:
         tasks = [asyncio.create_task(agent(url, admin, stop, errors)) for _ in range(agents)]
         version = (await admin.status()).version
+        pauser = PauseClient(url)
         out = []
         try:
             await asyncio.sleep(2.0)  # let every agent get a call going
             for i in range(syncs):
                 await asyncio.sleep(rng.uniform(*gap_s))
                 version += 1
-                out.append(await sync_once(admin, model_dir, version))
+                out.append(await sync_once(admin, pauser, model_dir, version))
                 r = out[-1]
                 print(
                     f"  sync {i + 1}/{syncs}: pause {r['pause_s'] * 1e3:.0f} ms "
@@ -228,6 +248,7 @@ async def run_syncs(
                     flush=True,
                 )
         finally:
+            pauser.close()
             stop.set()
             calls = sum(await asyncio.gather(*tasks))
     if errors:
