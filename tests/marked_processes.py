@@ -1,5 +1,5 @@
 """Finding a test run's processes: the test puts a unique variable in the run's environment,
-and every process the run starts inherits it."""
+and every process the run starts inherits it; or by process group."""
 
 from __future__ import annotations
 
@@ -17,3 +17,18 @@ def processes_with_marker(marker: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that still run (zombies waiting for init to reap them are done)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from marked_processes import live_group_members
+
 from lockgate.coordinator.processes import spawn
 
 
@@ -51,23 +53,10 @@ def test_the_group_dies_with_the_spawning_process(tmp_path: Path) -> None:
     )
     assert parent.stdout is not None
     pgid = int(parent.stdout.readline())
-    _wait_for(lambda: len(_live_members(pgid)) == 4)  # guard, sh and its two sleeps
+    _wait_for(lambda: len(live_group_members(pgid)) == 4)  # guard, sh and its two sleeps
     parent.kill()
     parent.wait(timeout=30)
-    _wait_for(lambda: not _live_members(pgid))
-
-
-def _live_members(pgid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
+    _wait_for(lambda: not live_group_members(pgid))
 
 
 def _wait_for(condition: object, timeout_s: float = 30.0) -> None:

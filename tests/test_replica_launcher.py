@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from marked_processes import live_group_members
 from transformers import AutoTokenizer
 
 from lockgate.coordinator.replica_launcher import (
@@ -137,21 +138,6 @@ def test_start_then_stop_leaves_no_process(tiny_model_dir: Path, tmp_path: Path)
     replica_set.stop()  # idempotent
 
 
-def _live_members(pgid: int) -> list[int]:
-    """Processes of group `pgid` that still run (zombies waiting for init are done)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
-
-
 _COORDINATOR = """
 import sys, time
 from pathlib import Path
@@ -179,11 +165,11 @@ def test_a_killed_coordinator_takes_the_whole_replica_with_it(
         assert line.strip().isdigit(), f"the replica did not start: {line!r}"
         pgid = int(line)
         # The server, its engine core and its worker, under the guard.
-        assert len(_live_members(pgid)) >= 4, _live_members(pgid)
+        assert len(live_group_members(pgid)) >= 4, live_group_members(pgid)
     finally:
         coordinator.kill()
         coordinator.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while members := _live_members(pgid):
+    while members := live_group_members(pgid):
         assert time.monotonic() < deadline, f"processes {members} outlived their coordinator"
         time.sleep(0.2)
