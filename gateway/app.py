@@ -39,6 +39,7 @@ from lockgate.gateway.errors import (
 )
 from lockgate.gateway.generation import CallGenerator, Sampled
 from lockgate.gateway.http1 import Http1Upstream
+from lockgate.gateway.loop_lag import LoopLagMonitor
 from lockgate.gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsMiddleware
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
@@ -130,6 +131,7 @@ class Gateway:
         # session finishes (so memory is bounded by open sessions, not by calls).
         self._last_turn: dict[str, tuple[int, PreviousTurn]] = {}
         self.metrics = GatewayMetrics(self.status)
+        self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
 
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
@@ -145,8 +147,10 @@ class Gateway:
         # would hold every call forever; this gateway starts serving, so they serve too.
         await asyncio.gather(*(c.resume() for c in self.pool.clients), return_exceptions=True)
         self.pool.start()
+        self.loop_lag.start()
 
     async def close(self) -> None:
+        await self.loop_lag.stop()
         await self.pool.stop()
         if self._own_http:
             await self.http.aclose()

@@ -27,6 +27,9 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
 class _LiveState(Collector):
     """Gauges read from the gateway's status at scrape time."""
 
@@ -115,6 +118,12 @@ class GatewayMetrics:
             "lockgate_gateway_errors",
             "Errors answered to clients, by kind (the OpenAI error code, else its type).",
             ["kind"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "lockgate_gateway_loop_lag_seconds",
+            "How late the event loop woke a heartbeat that sleeps 0.1 s at a time.",
+            buckets=_LAG_BUCKETS,
             registry=r,
         )
         r.register(_LiveState(status))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,3 +149,21 @@ async def test_failovers_and_interruptions_are_counted(rig: Rig) -> None:
     b.handler = abort_once  # type: ignore[method-assign]
     assert (await rig.chat(s["session_id"], "again")).status_code == 200
     assert await rig.metric("lockgate_gateway_interruptions_total") == 1
+
+
+async def test_a_stalled_event_loop_shows_in_the_loop_lag_histogram_and_the_log(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    await asyncio.sleep(0.25)  # the heartbeat's first wake-ups, on time
+    before = await rig.metric("lockgate_gateway_loop_lag_seconds_bucket", le="0.25")
+    assert before >= 1
+    with caplog.at_level("WARNING", logger="lockgate.gateway.loop_lag"):
+        time.sleep(0.4)  # noqa: ASYNC251 - what a blocking call in the gateway does to every call
+        await asyncio.sleep(0.15)  # the heartbeat wakes, late
+    assert await rig.metric("lockgate_gateway_loop_lag_seconds_count") > before
+    # The late wake-up lands above 0.25 s: the 0.25 bucket grew less than the count did.
+    late = await rig.metric("lockgate_gateway_loop_lag_seconds_count") - await rig.metric(
+        "lockgate_gateway_loop_lag_seconds_bucket", le="0.25"
+    )
+    assert late >= 1
+    assert any("ran" in r.message and "ms late" in r.message for r in caplog.records)
