@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import logging
 import secrets
@@ -214,6 +215,11 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                     metrics.close()
 
         _say(f"training for {config.loop.steps} steps (metrics in {run_dir / 'metrics.jsonl'})")
+        # The agents share this process's event loop with the loop itself; start-up left
+        # hundreds of thousands of objects (torch, transformers) that each full collection
+        # would walk with that loop stopped (as in the gateway, gateway/__main__.py).
+        gc.collect()
+        gc.freeze()
         summary = asyncio.run(run_loop())
         _say("run finished; stopping trainer, gateway and replicas")
     return summary
