@@ -315,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         help="how the 0.5B replica loads: the direct load (default) or vLLM's reload_weights",
     )
     parser.add_argument(
+        "--replicas", type=int, default=2, help="tiny part: replicas, one per core in turn"
+    )
+    parser.add_argument(
         "--vllm-pause",
         action="store_true",
         help="tiny part: replicas without lockgate's pause route (vLLM's /pause, for comparison)",
@@ -329,17 +332,23 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lockgate-sync-bench-") as tmp:
         work = Path(tmp)
         if not args.skip_tiny:
-            print(f"tiny model, 2 replicas, {args.agents} agents, {args.syncs} syncs", flush=True)
+            print(
+                f"tiny model, {args.replicas} replica(s), {args.agents} agents, {args.syncs} syncs",
+                flush=True,
+            )
             (work / "tiny").mkdir()
-            with stack(tiny, 2, work / "tiny", pause_route=not args.vllm_pause) as (url, _):
+            pause_route = not args.vllm_pause
+            with stack(tiny, args.replicas, work / "tiny", pause_route=pause_route) as (url, _):
                 rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8)))
             nbytes = snapshot_bytes(tiny)
             key = "tiny_vllm_pause" if args.vllm_pause else "tiny"
+            if args.replicas != 2:
+                key += f"_{args.replicas}_replicas"
             results[key] = {
                 **summarize(rows, nbytes, memcpy_gbps(nbytes)),
                 "loadavg": Path("/proc/loadavg").read_text().split()[:3],
             }
-            if not args.vllm_pause:
+            if key == "tiny":
                 plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
 
         if not args.skip_big:
