@@ -135,7 +135,12 @@ class Stack:
             call = self.client.post(f"{s['base_url']}/chat/completions", json=body)
             out.append((s["session_id"], asyncio.create_task(call)))
         gate = self.app.state.gateway.gate
-        while sum(seg.tokens for seg in gate.segments.values()) < 3 * n:  # noqa: ASYNC110
+
+        def every_call_has_3_tokens() -> bool:
+            segments = list(gate.segments.values())
+            return len(segments) == n and all(seg.tokens >= 3 for seg in segments)
+
+        while not every_call_has_3_tokens():  # noqa: ASYNC110
             await asyncio.sleep(0.005)
         return out
 
