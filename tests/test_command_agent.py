@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from marked_processes import processes_with_marker
 from test_gateway_edges import FakeReplica
 
 from lockgate.agent_runtime import (
@@ -101,19 +102,6 @@ def _script(tmp_path: Path, body: str) -> list[str]:
     path = tmp_path / f"agent_{uuid.uuid4().hex[:8]}.py"
     path.write_text(textwrap.dedent(body))
     return [sys.executable, str(path)]
-
-
-def _processes_with(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    return found
 
 
 TASK = Task(id="t-1", data={"prompt": "Answer with numbers only: apple river", "max_tokens": 8})
@@ -369,7 +357,7 @@ async def test_a_hanging_command_times_out_and_its_whole_tree_is_killed(
     assert result.error is not None
     assert result.error.startswith("CommandTimedOut: command timed out after 1.0s")
     assert "waiting forever" in result.error
-    assert _processes_with(marker) == []
+    assert processes_with_marker(marker) == []
 
 
 async def test_the_rollout_timeout_and_cancellation_kill_the_tree_too(
@@ -380,16 +368,16 @@ async def test_the_rollout_timeout_and_cancellation_kill_the_tree_too(
     result = await run_rollout(gateway, agent, TASK, group_id="g", timeout_s=1.0)
     assert started.exists()
     assert result.status == "failed" and result.error == "rollout timed out after 1.0s"
-    assert _processes_with(marker) == []
+    assert processes_with_marker(marker) == []
 
     started.unlink()
     rollout = asyncio.create_task(run_rollout(gateway, agent, TASK, group_id="g"))
     await _wait_for(started)
-    assert len(_processes_with(marker)) == 2
+    assert len(processes_with_marker(marker)) == 2
     rollout.cancel()
     with pytest.raises(asyncio.CancelledError):
         await rollout
-    assert _processes_with(marker) == []
+    assert processes_with_marker(marker) == []
 
 
 async def test_children_left_behind_by_a_command_that_exits_are_killed(
@@ -410,7 +398,7 @@ async def test_children_left_behind_by_a_command_that_exits_are_killed(
     result = await run_rollout(gateway, agent, TASK, group_id="g")
     assert result.status == "finished" and result.reward == 1.0, result.error
     assert result.duration_s < 10  # the command's exit ends the rollout, not its child's
-    assert _processes_with(marker) == []
+    assert processes_with_marker(marker) == []
 
 
 # -- tasks files and config -----------------------------------------------------------------------
