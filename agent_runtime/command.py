@@ -157,7 +157,11 @@ class CommandAgent:
                 stderr=subprocess.PIPE,
                 cwd=self.cwd,
                 env=self.environment(task, ctx),
-                start_new_session=True,
+                # A process group of its own (its whole tree is killed with it), in our
+                # session: a session would also be a scheduling group of its own under the
+                # kernel's autogroup, and many busy agents' groups would crowd out the
+                # gateway and the replicas, whatever their thread counts.
+                process_group=0,
             )
         except OSError as exc:
             if log_file is not None:
@@ -269,7 +273,7 @@ def _signal_group(pgid: int, sig: int) -> bool:
 async def _kill_group(pgid: int, leader_exited: asyncio.Event, grace_s: float) -> None:
     """End every process of the command's group: SIGTERM, up to `grace_s`, then SIGKILL.
 
-    Safe to call when everything already exited. start_new_session made the leader's pid the
+    Safe to call when everything already exited. process_group=0 made the leader's pid the
     group id; the leader itself is reaped by asyncio's child watcher.
     """
     if not _signal_group(pgid, signal.SIGTERM):

@@ -9,7 +9,7 @@ under this guard instead:
 
     python -m lockgate.coordinator.group_guard COMMAND...
 
-The guard leads the process group (`spawn` starts a new session) and gets `SIGUSR1` when the
+The guard leads the process group (`spawn` starts one for it) and gets `SIGUSR1` when the
 coordinator dies; it then SIGKILLs the whole group, itself included. A SIGTERM sent to the
 group reaches the command too: the guard waits for the command to end and exits as it did
 (the same code, or the same signal), so stopping a guarded child behaves as before.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import textwrap
@@ -378,6 +379,27 @@ async def test_the_rollout_timeout_and_cancellation_kill_the_tree_too(
     with pytest.raises(asyncio.CancelledError):
         await rollout
     assert processes_with_marker(marker) == []
+
+
+async def test_a_command_leads_its_own_group_in_the_runtimes_session(
+    gateway: GatewayClient, tmp_path: Path
+) -> None:
+    # Its own session would be a scheduling group of its own (autogroup): many busy agents
+    # would then crowd out the gateway and replicas whatever their thread counts.
+    ids = tmp_path / "ids"
+    command = _script(
+        tmp_path,
+        f"""
+        import os
+        open({str(ids)!r}, "w").write(f"{{os.getpid()}} {{os.getpgid(0)}} {{os.getsid(0)}}")
+        print('{{"reward": 1.0}}', flush=True)
+        """,
+    )
+    result = await run_rollout(gateway, CommandAgent(command), TASK, group_id="g")
+    assert result.status == "finished", result.error
+    pid, pgid, sid = map(int, ids.read_text().split())
+    assert pgid == pid
+    assert sid == os.getsid(0)
 
 
 async def test_children_left_behind_by_a_command_that_exits_are_killed(

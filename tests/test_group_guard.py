@@ -1,5 +1,6 @@
-"""The group guard (coordinator/group_guard.py) in isolation: it exits as its command did, and
-takes its whole group down when the process that spawned it dies."""
+"""`spawn` and the group guard (coordinator/group_guard.py) in isolation: a child leads a process
+group in its spawner's session, and the guard exits as its command did and takes its whole group
+down when the process that spawned it dies."""
 
 from __future__ import annotations
 
@@ -13,6 +14,28 @@ from pathlib import Path
 from marked_processes import live_group_members
 
 from lockgate.coordinator.processes import spawn
+
+
+def _autogroup(pid: int | str) -> str | None:
+    try:  # "/autogroup-N nice K" where the kernel schedules by session
+        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except OSError:
+        return None
+
+
+def test_a_child_leads_its_own_group_in_its_spawners_session(tmp_path: Path) -> None:
+    # A session of its own would also be a scheduling group of its own (autogroup): a busy
+    # replica's group could then starve the gateway's for seconds. See processes.py.
+    proc = spawn(["sleep", "30"], tmp_path / "log", guard=True)
+    try:
+        _wait_for(lambda: len(live_group_members(proc.pid)) == 2)  # the guard and sleep
+        for pid in live_group_members(proc.pid):
+            assert os.getpgid(pid) == proc.pid
+            assert os.getsid(pid) == os.getsid(0)
+            assert _autogroup(pid) == _autogroup("self")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def test_exits_with_its_commands_code(tmp_path: Path) -> None:
