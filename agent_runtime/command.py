@@ -157,11 +157,7 @@ class CommandAgent:
                 stderr=subprocess.PIPE,
                 cwd=self.cwd,
                 env=self.environment(task, ctx),
-                # A process group of its own (its whole tree is killed with it), in our
-                # session: a session would also be a scheduling group of its own under the
-                # kernel's autogroup, and many busy agents' groups would crowd out the
-                # gateway and the replicas, whatever their thread counts.
-                process_group=0,
+                **_own_process_group(loop),
             )
         except OSError as exc:
             if log_file is not None:
@@ -270,11 +266,22 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def _own_process_group(loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+    """Start the command in a process group of its own (its whole tree is killed with it), in
+    our session: a session would also be a scheduling group of its own under the kernel's
+    autogroup, and many busy agents' groups would crowd out the gateway and the replicas,
+    whatever their thread counts. asyncio's own loops take Popen's `process_group`; uvloop
+    refuses it but runs a `preexec_fn`."""
+    if isinstance(loop, asyncio.BaseEventLoop):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}
+
+
 async def _kill_group(pgid: int, leader_exited: asyncio.Event, grace_s: float) -> None:
     """End every process of the command's group: SIGTERM, up to `grace_s`, then SIGKILL.
 
-    Safe to call when everything already exited. process_group=0 made the leader's pid the
-    group id; the leader itself is reaped by asyncio's child watcher.
+    Safe to call when everything already exited. `_own_process_group` made the leader's pid
+    the group id; the leader itself is reaped by asyncio's child watcher.
     """
     if not _signal_group(pgid, signal.SIGTERM):
         return

@@ -36,7 +36,7 @@ from lockgate.agent_runtime import (
     load_tasks_jsonl,
     run_rollout,
 )
-from lockgate.agent_runtime.command import parse_reward, reward_url
+from lockgate.agent_runtime.command import _own_process_group, parse_reward, reward_url
 from lockgate.coordinator.config import load_config
 from lockgate.coordinator.launch import load_environment
 from lockgate.gateway.app import create_app
@@ -397,6 +397,38 @@ async def test_a_command_leads_its_own_group_in_the_runtimes_session(
     )
     result = await run_rollout(gateway, CommandAgent(command), TASK, group_id="g")
     assert result.status == "finished", result.error
+    pid, pgid, sid = map(int, ids.read_text().split())
+    assert pgid == pid
+    assert sid == os.getsid(0)
+
+
+def test_the_command_gets_its_own_group_under_uvloop_too(tmp_path: Path) -> None:
+    # uvloop refuses Popen's process_group; the runtime must still get a group, not a session.
+    import uvloop  # installed with vLLM and uvicorn's standard extras
+
+    ids = tmp_path / "ids"
+
+    class Exited(asyncio.SubprocessProtocol):
+        def __init__(self) -> None:
+            self.done = asyncio.get_running_loop().create_future()
+
+        def process_exited(self) -> None:
+            self.done.set_result(None)
+
+    async def start() -> None:
+        loop = asyncio.get_running_loop()
+        assert not isinstance(loop, asyncio.BaseEventLoop)
+        transport, exited = await loop.subprocess_exec(
+            Exited,
+            "sh",
+            "-c",
+            f"echo $$ $(ps -o pgid= -p $$) $(ps -o sid= -p $$) > {ids}",
+            **_own_process_group(loop),
+        )
+        await asyncio.wait_for(exited.done, 30)
+        transport.close()
+
+    uvloop.run(start())
     pid, pgid, sid = map(int, ids.read_text().split())
     assert pgid == pid
     assert sid == os.getsid(0)
