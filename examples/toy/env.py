@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer
 
 from lockgate.agent_runtime import Agent, RewardFn, RolloutContext, Task
 from lockgate.gateway.schema import CallRecord
@@ -58,10 +58,12 @@ class NumbersEnvironment:
 
     @cached_property
     def number_tokens(self) -> frozenset[int]:
-        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # The Rust tokenizer itself: transformers would bring torch (and triton) into the
+        # coordinator's process for this alone.
+        tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         ids = set()
-        for token_id in range(len(tokenizer)):
-            text = tokenizer.decode([token_id])
+        for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+            text = tokenizer.decode([token_id], skip_special_tokens=False)
             if text.strip() and all(c.isdigit() or c.isspace() for c in text):
                 ids.add(token_id)
         return frozenset(ids)
