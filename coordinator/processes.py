@@ -9,10 +9,10 @@ spawned with `guard=True`, under `group_guard`, which takes its whole group down
 A process group, not a session: under the kernel's autogroup scheduling (on by default in most
 distributions: `/proc/sys/kernel/sched_autogroup_enabled`) each session is a scheduling group of
 its own, and CPU time is shared out between groups before threads. With every replica and the
-gateway in a session of their own, the gateway sat runnable but unscheduled for 0.3-5 s at a
-time while the replicas' groups held both cores of a 2-core machine (the "gateway stalls" behind
-a weight-sync pause p99 of 0.6-6.4 s; 32-73 ms once they shared the coordinator's session). In
-one session every thread competes on its own weight.
+gateway in a session of their own, the gateway sat runnable but unscheduled for up to a second
+at a time while the replicas' groups held both cores of a 2-core machine (the "gateway stalls"
+behind a weight-sync pause p99 of 0.6-6.4 s; 32-73 ms once they shared the coordinator's
+session). In one session every thread competes on its own weight.
 """
 
 from __future__ import annotations
