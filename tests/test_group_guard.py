@@ -17,10 +17,13 @@ from lockgate.coordinator.processes import spawn
 
 
 def _autogroup(pid: int | str) -> str | None:
-    try:  # "/autogroup-N nice K" where the kernel schedules by session
-        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    # "/autogroup-N nice K" where the kernel schedules by session; empty where it does not
+    # (autogroup off, or the task sits in a cpu cgroup of its own, as in a CI container).
+    try:
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
     except OSError:
         return None
+    return fields[0] if fields else None
 
 
 def test_a_child_leads_its_own_group_in_its_spawners_session(tmp_path: Path) -> None:
