@@ -30,7 +30,7 @@ from lockgate.gateway.weights import SNAPSHOT_LOAD_EXTENSION
 _POLL_S = 0.5
 # No allocation straight from mmap (large ones would go back to the system when freed), and
 # no trimming of the heap's free top (up to 64 GiB).
-_KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 _STOP_GRACE_S = 15.0
 _GROUP_EXIT_S = 5.0
 
@@ -168,7 +168,7 @@ class LocalReplicaSet:
             "VLLM_CPU_OMP_THREADS_BIND": cpu_bind,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            **(_KEEP_FREED_MEMORY if self.config.keep_freed_memory else {}),
+            **(KEEP_FREED_MEMORY if self.config.keep_freed_memory else {}),
         }
 
     def _ports(self) -> list[int]:
