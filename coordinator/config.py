@@ -64,6 +64,21 @@ class SyncSection(BaseModel):
     pause_timeout_s: float = Field(
         default=600.0, gt=0, description="Give up a pause (and keep serving) after this long."
     )
+    stage: bool = Field(
+        default=False,
+        description="Before each pause, have the replicas prepare the load while they serve "
+        "(disk transport, direct load on vLLM-CPU: the new kernel handles are built between "
+        "engine steps), so the pause only swaps them in: shorter stalls for agents, but the "
+        "same CPU work spread over the steps, the new weights in later, and a second copy of "
+        "the packed weights until the swap.",
+    )
+    stage_slice_s: float = Field(
+        default=0.2,
+        gt=0,
+        le=60,
+        description="Staging holds each replica's engine this long at a time, then lets it run "
+        "a step: longer slices get the new weights in sooner, shorter ones stall calls less.",
+    )
     overlap: bool = Field(
         default=True,
         description="With max_staleness >= 1: the trainer starts the next step while the "

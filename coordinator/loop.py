@@ -406,14 +406,31 @@ class TrainingLoop:
 
     # -- weight sync ----------------------------------------------------------------------------
 
+    async def _stage(self, weights_dir: str) -> float:
+        """Let the replicas prepare the load while serving; a failure only costs the speed-up
+        (the load then does everything itself)."""
+        started = time.monotonic()
+        try:
+            report = await self.gateway.stage_weights(weights_dir, self.sync.stage_slice_s)
+        except GatewayClientError as exc:
+            log.warning("staging %s failed (the load will do it all): %s", weights_dir, exc)
+        else:
+            if report.not_staged:
+                log.info("not staged on %s", report.not_staged)
+        return time.monotonic() - started
+
     async def _sync(self, weights_dir: str, version: int) -> dict[str, float]:
-        """Pause (abort | keep | drain) -> load on every replica and verify -> resume.
+        """(Stage ->) pause (abort | keep | drain) -> load on every replica and verify -> resume.
+
+        `sync/duration_s` is the pause to the resume (what agents wait through); staging,
+        before it, runs while they are served (`sync/stage_s`).
 
         A replica that fails to load leaves the rotation (the gateway's doing); if none loads,
         the gateway resumes at the version the replicas still hold and the run stops, saying
         which version is being served, rather than train on while serving stale weights.
         """
         val_wait = await self._wait_validation()
+        stage_s = await self._stage(weights_dir) if self.sync.stage else 0.0
         started = time.monotonic()
         pause = await self.gateway.pause(self.sync.mode, self.sync.pause_timeout_s)
         try:
@@ -444,6 +461,7 @@ class TrainingLoop:
         return {
             "sync/version": float(version),
             "sync/duration_s": time.monotonic() - started,
+            "sync/stage_s": stage_s,
             "time/sync_waited_for_val_s": val_wait,
             "sync/pause_latency_s": pause.latency_s,
             "sync/load_s": load.load_s,

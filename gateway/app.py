@@ -68,6 +68,7 @@ from lockgate.gateway.schema import (
     ResumeRequest,
     SessionSamples,
     SetReward,
+    StageWeights,
     TokenLogprob,
     Usage,
 )
@@ -801,6 +802,12 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         require_admin(request)
         body = _validate(LoadWeights, _parse_json(await request.body()))
         return json_response(await gateway.sync.load(body.source, body.version))
+
+    @app.post("/admin/weights/stage")
+    async def stage_weights(request: Request) -> Response:
+        require_admin(request)
+        body = _validate(StageWeights, _parse_json(await request.body()))
+        return json_response(await gateway.sync.stage(body.source, body.slice_s))
 
     @app.post("/admin/resume")
     async def resume(request: Request) -> Response:

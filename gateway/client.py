@@ -21,6 +21,7 @@ from lockgate.gateway.schema import (
     PauseReport,
     SessionInfo,
     SessionSamples,
+    StageReport,
 )
 
 
@@ -137,6 +138,12 @@ class GatewayClient:
         """Disk transport: every replica reloads the snapshot at `path`, then is verified."""
         data = await self._request("POST", "/admin/weights", {"path": path, "version": version})
         return LoadReport.model_validate(data)
+
+    async def stage_weights(self, path: str, slice_s: float = 0.2) -> StageReport:
+        """Disk transport: every replica prepares its next load of `path` while serving."""
+        body = {"path": path, "slice_s": slice_s}
+        data = await self._request("POST", "/admin/weights/stage", body)
+        return StageReport.model_validate(data)
 
     async def resume(self, version: int) -> GatewayStatus:
         data = await self._request("POST", "/admin/resume", {"version": version})

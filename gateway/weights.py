@@ -7,6 +7,8 @@
   only the layers vLLM-CPU repacks are processed again (`replica_load.py` says why that is
   faster). Any other replica, or a snapshot that does not map onto the model one to one,
   goes through vLLM's own `reload_weights`.
+  Such a replica can also stage a snapshot while it serves (`stage`): the new kernel handles
+  are built between engine steps, and the load inside the pause only swaps them in.
 - `nccl` (GPU clusters): vLLM's native weight-transfer API. The gateway only drives the
   replica side (`/start_weight_update`, `/update_weights`, `/finish_weight_update`); the
   trainer broadcasts the tensors over the NCCL group both joined at start-up. It needs CUDA and
@@ -36,6 +38,16 @@ log = logging.getLogger(__name__)
 SNAPSHOT_LOAD_EXTENSION = "lockgate.gateway.replica_load.SnapshotLoad"
 _READY_METHOD = "lockgate_snapshot_load_ready"
 _LOAD_METHOD = "lockgate_load_snapshot"
+_STAGE_METHOD = "lockgate_stage_snapshot"
+
+
+class StagedReplica(BaseModel):
+    slices: int  # RPCs, each holding the engine for about slice_s
+    build_s: float  # the replica's time spent building (its slices, summed)
+
+
+class NotStaged(Exception):
+    """A replica that cannot stage this source (its load will do everything)."""
 
 
 class DiskWeights(BaseModel):
@@ -61,6 +73,12 @@ class WeightTransport(ABC):
     async def load(self, replica: ReplicaClient) -> None:
         """Put the new weights into this replica (it is paused; nothing is generating)."""
 
+    async def stage(self, replica: ReplicaClient, slice_s: float) -> StagedReplica:
+        """Prepare what `load` can while the replica serves on, holding its engine for about
+        `slice_s` at a time. Raises NotStaged (the load then does it all): by default there
+        is nothing to prepare."""
+        raise NotStaged("this transport does not stage")
+
 
 class DiskTransport(WeightTransport):
     def __init__(self, source: DiskWeights) -> None:
@@ -75,6 +93,25 @@ class DiskTransport(WeightTransport):
         await replica.call_admin(
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.path}}
         )
+
+    async def stage(self, replica: ReplicaClient, slice_s: float) -> StagedReplica:
+        # Slice by slice, each one RPC: vLLM runs its engine steps in between.
+        if not (Path(self.path) / "config.json").is_file():
+            raise NotStaged(f"no HF snapshot at {self.path} (config.json missing)")
+        if not await _has_snapshot_load(replica):
+            raise NotStaged("no snapshot-load extension on this replica")
+        staged = StagedReplica(slices=0, build_s=0.0)
+        while True:
+            answer = await replica.call_admin(
+                "/collective_rpc", {"method": _STAGE_METHOD, "args": [self.path, slice_s]}
+            )
+            results = answer.get("results") if isinstance(answer, dict) else None
+            if not results or not all(isinstance(r, dict) and r.get("staged") for r in results):
+                raise NotStaged(f"not staged: {results}")
+            staged.slices += 1
+            staged.build_s += max(float(r.get("seconds", 0.0)) for r in results)
+            if all(r.get("done") for r in results):
+                return staged
 
     async def _load_directly(self, replica: ReplicaClient) -> bool:
         """True once loaded; False where reload_weights must do it (said why in the log)."""

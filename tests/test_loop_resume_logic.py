@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lockgate.agent_runtime import RolloutContext, RolloutResult, Task
-from lockgate.coordinator.config import LoopSection
+from lockgate.coordinator.config import LoopSection, SyncSection
 from lockgate.coordinator.loop import TrainingLoop
 from lockgate.coordinator.loop_state import (
     STATE_FILE,
@@ -31,6 +31,7 @@ from lockgate.gateway.schema import (
     PauseReport,
     SessionInfo,
     SessionSamples,
+    StageReport,
     TrainingSample,
 )
 from lockgate.trainer.batch import StepResult, TrainBatch
@@ -42,6 +43,7 @@ class FakeGateway:
     def __init__(self) -> None:
         self.version = 0
         self.loads: list[int] = []
+        self.sync_calls: list[str] = []
         self._ids = itertools.count()
         self._sessions: dict[str, tuple[str, float | None]] = {}
         self._token_version: dict[str, int] = {}
@@ -83,13 +85,19 @@ class FakeGateway:
         )  # fmt: skip
         return SessionSamples(session=self._info(sid), samples=[sample], splits=0)
 
+    async def stage_weights(self, path: str, slice_s: float) -> StageReport:
+        self.sync_calls.append(f"stage {Path(path).name}")
+        return StageReport(staged={}, not_staged={}, stage_s=0.0)
+
     async def pause(self, mode: str, timeout_s: float) -> PauseReport:
+        self.sync_calls.append("pause")
         return PauseReport(
             mode="abort", latency_s=0.0, interrupted=0, tokens_kept=0, frozen=0, version=0
         )
 
     async def load_weights(self, path: str, version: int) -> LoadReport:
         self.loads.append(version)
+        self.sync_calls.append(f"load {Path(path).name}")
         return LoadReport(version=version, loaded=["r"], failed={}, load_s=0.0)
 
     async def resume(self, version: int) -> None:
@@ -139,14 +147,21 @@ class FakeEnv:
         return None
 
 
-def _loop(tmp_path: Path, steps: int, eta: int, resume: LoopState | None = None, seed: int = 0):  # type: ignore[no-untyped-def]
+def _loop(
+    tmp_path: Path,
+    steps: int,
+    eta: int,
+    resume: LoopState | None = None,
+    seed: int = 0,
+    sync: SyncSection | None = None,
+):  # type: ignore[no-untyped-def]
     gateway = FakeGateway()
     config = LoopSection(steps=steps, groups_per_step=3, group_size=2, max_staleness=eta)
     metrics = MetricsLog(tmp_path / "metrics.jsonl", steps, stream=io.StringIO())
     loop = TrainingLoop(
         config, FakeEnv(gateway, seed), gateway, FakeTrainer(tmp_path / "metrics.jsonl"),
         metrics,  # type: ignore[arg-type]
-        state_path=tmp_path / STATE_FILE, resume=resume,
+        state_path=tmp_path / STATE_FILE, resume=resume, sync=sync,
     )  # fmt: skip
     return loop, gateway
 
@@ -167,6 +182,8 @@ def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_pat
     summary = asyncio.run(resumed.run())
     assert summary.steps == 3 and summary.version == 5
     assert gateway.loads[0] == 2  # replicas synced to the checkpoint's weights before dispatch
+    assert "pause" in gateway.sync_calls
+    assert not [c for c in gateway.sync_calls if c.startswith("stage")]  # sync.stage is opt-in
 
     states = _states(tmp_path)
     assert [s.step for s in states] == [1, 2, 3, 4, 5]
@@ -179,8 +196,12 @@ def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_pat
 
 
 def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_path: Path) -> None:
-    loop, _ = _loop(tmp_path, steps=4, eta=0)
+    loop, gateway = _loop(tmp_path, steps=4, eta=0, sync=SyncSection(stage=True))
     asyncio.run(loop.run())
+    # Each sync has the replicas stage its snapshot while serving, then pauses and loads it.
+    syncs = [gateway.sync_calls[i : i + 3] for i in range(0, len(gateway.sync_calls), 3)]
+    assert len(syncs) == 4
+    assert all(s[0].startswith("stage ") and s[1:] == ["pause", "load" + s[0][5:]] for s in syncs)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:

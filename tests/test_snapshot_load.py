@@ -13,20 +13,32 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.nn import functional as F
 
 from lockgate.gateway.replica_client import ReplicaClient
 from lockgate.gateway.replica_load import SnapshotLoad
 from lockgate.gateway.snapshot_file import open_snapshot
-from lockgate.gateway.weights import SNAPSHOT_LOAD_EXTENSION, DiskTransport, DiskWeights
+from lockgate.gateway.weights import (
+    SNAPSHOT_LOAD_EXTENSION,
+    DiskTransport,
+    DiskWeights,
+    NotStaged,
+)
 
 
 class PackingMethod:
-    """Like vLLM-CPU's unquantized linear: the weight moves into a kernel handle, and the
-    parameter left behind is empty."""
+    """Like vLLM-CPU's unquantized linear: the weight moves into a kernel handle (`cpu_linear`),
+    and the parameter left behind is empty."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.packed = layer.weight.detach().clone()
+        handle = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, weight, bias: F.linear(x, handle, bias)
         layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def packed(layer: nn.Module) -> torch.Tensor:
+    """The weight a layer's kernel computes with (identity in, weight transposed out)."""
+    return layer.cpu_linear(torch.eye(layer.input_size_per_partition), None, None).t()
 
 
 class PackedLinear(nn.Module):
@@ -112,8 +124,8 @@ def loader(model: nn.Module) -> Any:
 def state(model: Model) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for layer in model.layers:
-        out += [layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed]
-        out.append(layer.mlp.down_proj.packed)
+        out += [packed(layer.self_attn.qkv_proj), packed(layer.mlp.gate_up_proj)]
+        out.append(packed(layer.mlp.down_proj))
         out.append(layer.norm.detach().clone())
     return out
 
@@ -126,10 +138,10 @@ def test_every_layer_gets_its_new_weights_fused_in_vllms_order(tmp_path: Path) -
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         q, k, v = (ckpt[f"{p}self_attn.{x}_proj.weight"] for x in "qkv")
-        assert torch.equal(layer.self_attn.qkv_proj.packed, torch.cat([q, k, v]))
+        assert torch.equal(packed(layer.self_attn.qkv_proj), torch.cat([q, k, v]))
         gate, up = ckpt[p + "mlp.gate_proj.weight"], ckpt[p + "mlp.up_proj.weight"]
-        assert torch.equal(layer.mlp.gate_up_proj.packed, torch.cat([gate, up]))
-        assert torch.equal(layer.mlp.down_proj.packed, ckpt[p + "mlp.down_proj.weight"])
+        assert torch.equal(packed(layer.mlp.gate_up_proj), torch.cat([gate, up]))
+        assert torch.equal(packed(layer.mlp.down_proj), ckpt[p + "mlp.down_proj.weight"])
         assert torch.equal(layer.norm, ckpt[p + "norm"])
         assert layer.self_attn.qkv_proj.weight.numel() == 0  # packed again, as vLLM leaves it
 
@@ -187,6 +199,110 @@ def test_a_snapshot_that_does_not_fit_the_model_changes_nothing(
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+def _perturbed(ckpt: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tensor]:
+    return {name: t + by for name, t in ckpt.items()}
+
+
+def _expected(ckpt: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for i in range(2):
+        p = f"layers.{i}."
+        out.append(torch.cat([ckpt[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]))
+        out.append(torch.cat([ckpt[f"{p}mlp.{x}_proj.weight"] for x in ("gate", "up")]))
+        out += [ckpt[p + "mlp.down_proj.weight"], ckpt[p + "norm"]]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_staged_snapshot_changes_nothing_until_its_load_swaps_it_in(tmp_path: Path) -> None:
+    ckpt = _perturbed(checkpoint(), 1.0)
+    path = str(write(tmp_path, ckpt))
+    model = Model()
+    ext = loader(model)
+    before = state(model)
+    answers = []
+    while not answers or not answers[-1]["done"]:
+        answers.append(ext.lockgate_stage_snapshot(path, 0.0))  # one handle per slice
+        assert _same(state(model), before)  # still serving the old weights
+    assert [a["built"] for a in answers] == list(range(1, 7))
+    assert all(a["staged"] and a["total"] == 6 for a in answers)
+    answer = ext.lockgate_load_snapshot(path)
+    assert answer["loaded"] is True and answer["staged"] == 6, answer
+    assert _same(state(model), _expected(ckpt))
+    assert ext._lockgate_staging is None  # the staging's handles now serve; nothing kept
+
+
+def test_a_load_finishes_a_staging_that_did_not_get_to_every_layer(tmp_path: Path) -> None:
+    ckpt = _perturbed(checkpoint(), 2.0)
+    path = str(write(tmp_path, ckpt))
+    model = Model()
+    ext = loader(model)
+    assert ext.lockgate_stage_snapshot(path, 0.0)["built"] == 1
+    answer = ext.lockgate_load_snapshot(path)
+    assert answer["loaded"] is True and answer["staged"] == 1, answer
+    assert _same(state(model), _expected(ckpt))
+
+
+def test_a_staging_of_other_files_is_never_swapped_in(tmp_path: Path) -> None:
+    # Rewritten at the same path after staging (a new file: new inode), then a different path.
+    first, second, third = (_perturbed(checkpoint(), by) for by in (1.0, 2.0, 3.0))
+    model = Model()
+    ext = loader(model)
+    (tmp_path / "a").mkdir()
+    path = write(tmp_path / "a", first)
+    assert ext.lockgate_stage_snapshot(str(path), 10.0)["done"]
+    tmp = tmp_path / "new.safetensors"
+    save_file(second, str(tmp))
+    tmp.replace(path / "model.safetensors")
+    answer = ext.lockgate_load_snapshot(str(path))
+    assert answer["loaded"] is True and answer["staged"] == 0, answer
+    assert _same(state(model), _expected(second))
+
+    (tmp_path / "b").mkdir()
+    other = write(tmp_path / "b", third)
+    assert ext.lockgate_stage_snapshot(str(path), 10.0)["done"]
+    answer = ext.lockgate_load_snapshot(str(other))
+    assert answer["loaded"] is True and answer["staged"] == 0, answer
+    assert _same(state(model), _expected(third))
+
+
+def test_parameters_or_layers_replaced_after_staging_get_the_new_weights(tmp_path: Path) -> None:
+    # As a reload_weights between staging and loading would leave them: new objects.
+    ckpt = _perturbed(checkpoint(), 1.0)
+    path = str(write(tmp_path, ckpt))
+    model = Model()
+    ext = loader(model)
+    assert ext.lockgate_stage_snapshot(path, 10.0)["done"]
+    model.layers[0].norm = nn.Parameter(torch.zeros(6), requires_grad=False)
+    answer = ext.lockgate_load_snapshot(path)
+    assert answer["loaded"] is True and answer["staged"] == 6, answer
+    assert _same(state(model), _expected(ckpt))
+
+    ckpt = _perturbed(checkpoint(), 2.0)
+    (tmp_path / "b").mkdir()
+    path = str(write(tmp_path / "b", ckpt))
+    assert ext.lockgate_stage_snapshot(path, 10.0)["done"]
+    model.layers[1].mlp.down_proj = PackedLinear([6], 5)
+    answer = ext.lockgate_load_snapshot(path)
+    assert answer["loaded"] is True and answer["staged"] == 0, answer  # built again
+    assert _same(state(model), _expected(ckpt))
+
+
+def test_a_snapshot_that_does_not_fit_is_not_staged(tmp_path: Path) -> None:
+    ckpt = checkpoint()
+    del ckpt["layers.1.norm"]
+    model = Model()
+    ext = loader(model)
+    before = state(model)
+    answer = ext.lockgate_stage_snapshot(str(write(tmp_path, ckpt)), 10.0)
+    assert answer["staged"] is False and "not in the snapshot" in answer["reason"], answer
+    assert ext._lockgate_staging is None
+    assert _same(state(model), before)
+
+
 class FakeReplica:
     """vLLM's /collective_rpc, with or without the snapshot-load extension."""
 
@@ -194,6 +310,7 @@ class FakeReplica:
         self.extension = extension
         self.refuse = refuse
         self.methods: list[str] = []
+        self.slices = 0
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
@@ -206,6 +323,10 @@ class FakeReplica:
             return httpx.Response(500, text="Internal Server Error")
         if method == "lockgate_snapshot_load_ready":
             return httpx.Response(200, json={"results": [{"ready": True}]})
+        if method == "lockgate_stage_snapshot":
+            self.slices += 1
+            done = self.slices == 3
+            return httpx.Response(200, json={"results": [{"staged": True, "done": done}]})
         return httpx.Response(
             200, json={"results": [{"loaded": not self.refuse, "reason": "extra tensor"}]}
         )
@@ -239,6 +360,28 @@ async def test_the_disk_transport_loads_directly_where_it_can_and_else_reloads(
         for _ in range(2):  # the extension is asked about once per replica
             await transport.load(replica)
     assert fake.methods == methods
+
+
+async def test_the_disk_transport_stages_slice_by_slice_where_the_extension_is(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, checkpoint())
+    (tmp_path / "config.json").write_text("{}")
+    transport = DiskTransport(DiskWeights(path=str(tmp_path)))
+    for extension in (True, False):
+        fake = FakeReplica(extension)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fake.handler)) as http:
+            replica = ReplicaClient("http://replica", http)
+            if extension:  # one RPC per slice until the replica says it is done
+                assert (await transport.stage(replica, 0.2)).slices == 3
+                assert (
+                    fake.methods
+                    == ["lockgate_snapshot_load_ready"] + ["lockgate_stage_snapshot"] * 3
+                )
+            else:
+                with pytest.raises(NotStaged, match="no snapshot-load extension"):
+                    await transport.stage(replica, 0.2)
+                assert fake.methods == ["lockgate_snapshot_load_ready"]
 
 
 def test_the_extension_named_to_vllm_is_this_class() -> None:

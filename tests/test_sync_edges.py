@@ -306,6 +306,33 @@ async def test_a_load_that_fails_everywhere_restores_the_old_snapshot(
     assert (await call).status_code == 200
 
 
+async def test_staging_goes_on_while_serving_and_says_why_a_replica_did_not_stage(
+    stack: Stack, tiny_model_dir: Path
+) -> None:
+    calls = await stack.start_calls(2)
+    # These replicas have no snapshot-load extension: nothing to stage, their load does it all.
+    staged = await stack.admin("/admin/weights/stage", {"path": str(tiny_model_dir)})
+    assert staged.status_code == 200, staged.text
+    report = staged.json()
+    assert report["staged"] == {}
+    assert report["not_staged"] == {
+        r.url: "no snapshot-load extension on this replica" for r in stack.replicas
+    }
+    missing = await stack.admin("/admin/weights/stage", {"path": "/no/such/snapshot"})
+    assert all("no HF snapshot" in why for why in missing.json()["not_staged"].values())
+    assert stack.app.state.gateway.gate.state == "serving"
+    assert all(r.loads == [] and r.paused is None for r in stack.replicas)
+    for _, call in calls:
+        assert (await call).status_code == 200
+
+    bad = await stack.admin("/admin/weights/stage", {"path": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    unauthorized = await stack.client.post(
+        "/admin/weights/stage", json={"path": str(tiny_model_dir)}
+    )
+    assert unauthorized.status_code == 401 and "error" in unauthorized.json()
+
+
 async def test_a_replica_back_from_a_restart_waits_for_the_next_load(tmp_path: Path) -> None:
     replica = SlowReplica("http://replica-0", [1, 2, 3], label="0")
     async with httpx.AsyncClient(transport=httpx.MockTransport(replica.handler)) as http:

@@ -228,36 +228,73 @@ async def test_tokens_before_a_sync_carry_the_old_version_and_after_it_the_new(
         await gw.sync(tiny_model_dir, version + 1)  # later tests expect the original weights
 
 
+async def _assert_every_replica_serves(gw: Gw, new_dir: Path, old_dir: Path) -> None:
+    """Every replica's greedy tokens and logprobs are the trainer's forward pass on `new_dir`."""
+    prompt = [5, 17, 300, 42, 7, 99, 100, 3, 250, 11]
+    n = 24
+    for client in gw.gateway.pool.clients:
+        tokens: list[int] = []
+        got: list[float] = []
+        sampling = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        async for chunk in client.generate_stream(prompt, sampling, f"direct-{client.url}"):
+            tokens += chunk.token_ids
+            got += chunk.logprobs
+        assert len(tokens) == n
+        seq = prompt + tokens
+        new_lp = logprobs_from_dir(new_dir, [seq])[0][-n:]
+        old_lp = logprobs_from_dir(old_dir, [seq])[0][-n:]
+        to_new = max(abs(a - b) for a, b in zip(new_lp, got, strict=True))
+        to_old = max(abs(a - b) for a, b in zip(old_lp, got, strict=True))
+        print(f"\n{client.url}: vs new weights {to_new:.1e}, vs old {to_old:.1e}")
+        assert to_new < 1e-3
+        assert to_old > 0.1
+
+
 async def test_a_direct_load_serves_exactly_the_trainers_new_weights_on_every_replica(
     gw: Gw, tiny_model_dir: Path, perturbed_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The disk transport's direct load (gateway/replica_load.py), not reload_weights: after
     it every replica's greedy tokens and logprobs are the trainer's forward pass on the new
     weights."""
-    prompt = [5, 17, 300, 42, 7, 99, 100, 3, 250, 11]
-    n = 24
     version = gw.gateway.gate.version
     caplog.set_level(logging.INFO, logger="lockgate.gateway.weights")
     try:
         await gw.sync(perturbed_model_dir, version + 1)
         assert all(c.snapshot_load is True for c in gw.gateway.pool.clients)
         assert not [r.message for r in caplog.records if "reload_weights" in r.message]
-        for client in gw.gateway.pool.clients:
-            tokens: list[int] = []
-            got: list[float] = []
-            sampling = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
-            async for chunk in client.generate_stream(prompt, sampling, f"direct-{client.url}"):
-                tokens += chunk.token_ids
-                got += chunk.logprobs
-            assert len(tokens) == n
-            seq = prompt + tokens
-            new_lp = logprobs_from_dir(perturbed_model_dir, [seq])[0][-n:]
-            old_lp = logprobs_from_dir(tiny_model_dir, [seq])[0][-n:]
-            to_new = max(abs(a - b) for a, b in zip(new_lp, got, strict=True))
-            to_old = max(abs(a - b) for a, b in zip(old_lp, got, strict=True))
-            print(f"\n{client.url}: vs new weights {to_new:.1e}, vs old {to_old:.1e}")
-            assert to_new < 1e-3
-            assert to_old > 0.1
+        await _assert_every_replica_serves(gw, perturbed_model_dir, tiny_model_dir)
+    finally:
+        await gw.sync(tiny_model_dir, version + 2)  # later tests expect the original weights
+
+
+async def test_a_staged_load_swaps_in_handles_built_while_serving(
+    gw: Gw, tiny_model_dir: Path, perturbed_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Staging builds the new kernel handles while a call streams on the old weights; the load
+    in the pause then only swaps them in, and every replica serves exactly the new weights."""
+    version = gw.gateway.gate.version
+    caplog.set_level(logging.INFO, logger="lockgate.gateway.weights")
+    sid = (await gw.session())["session_id"]
+    call = asyncio.create_task(
+        gw.client.post(f"/sessions/{sid}/v1/chat/completions", json=_greedy("Count on.", 64))
+    )
+    try:
+        assert await gw.wait_tokens(2, call), "the call must still be in flight when staging"
+        report = await gw.gateway.sync.stage(DiskWeights(path=str(perturbed_model_dir)))
+        assert sorted(report.staged) == sorted(c.url for c in gw.gateway.pool.clients)
+        assert all(s.slices >= 1 and s.build_s > 0 for s in report.staged.values())
+        assert report.not_staged == {}
+        assert gw.gateway.gate.state == "serving"
+        response = await call
+        assert response.status_code == 200
+        (record,) = await gw.calls(sid)
+        assert [span["version"] for span in record["versions"]] == [version]  # old weights
+
+        await gw.sync(perturbed_model_dir, version + 1)
+        loads = [r.message for r in caplog.records if "directly" in r.message]
+        assert len(loads) == len(gw.gateway.pool.clients)
+        assert all("'staged': 0" not in m and "'staged': " in m for m in loads), loads
+        await _assert_every_replica_serves(gw, perturbed_model_dir, tiny_model_dir)
     finally:
         await gw.sync(tiny_model_dir, version + 2)  # later tests expect the original weights
 
