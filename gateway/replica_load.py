@@ -201,7 +201,7 @@ class SnapshotLoad:
         be loaded directly (nothing staged then; the load decides what to do).
         """
         started = time.perf_counter()
-        staging = self._lockgate_staging_for(path)
+        staging = _staging_for(self, path)
         if isinstance(staging, str):
             return {"staged": False, "reason": staging}
         try:
@@ -241,7 +241,7 @@ class SnapshotLoad:
         worker: Any = self
         runner = worker.model_runner
         started = time.perf_counter()
-        staging = self._lockgate_staging_for(path)
+        staging = _staging_for(self, path)
         if isinstance(staging, str):
             return {"loaded": False, "reason": staging}
         self._lockgate_staging = None
@@ -284,30 +284,32 @@ class SnapshotLoad:
             "repack_s": done - swapped,
         }
 
-    def _lockgate_staging_for(self, path: str) -> _Staging | str:
-        """The staging of the snapshot in `path`: the current one if it is of these very files,
-        else a new one (the current one dropped); or why the snapshot cannot load directly."""
-        worker: Any = self
-        current = self._lockgate_staging
-        try:
-            identity = _identity(Path(path))
-        except OSError as exc:
-            self.lockgate_drop_staged()
-            return f"{type(exc).__name__}: {exc}"
-        if current is not None and current.path == path and current.identity == identity:
-            return current
-        self.lockgate_drop_staged()
-        try:
-            snap = open_snapshot(Path(path))
-        except (OSError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        try:
-            plan = plan_load(worker.model_runner.get_model(), snap)
-        except SnapshotMismatch as exc:
-            snap.close()
-            return str(exc)
-        self._lockgate_staging = _Staging(path, identity, snap, plan)
-        return self._lockgate_staging
+
+def _staging_for(ext: SnapshotLoad, path: str) -> _Staging | str:
+    """The staging of the snapshot in `path`: the current one if it is of these very files,
+    else a new one (the current one dropped); or why the snapshot cannot load directly.
+    (A function, not a method: vLLM offers every method of the extension as an RPC.)"""
+    worker: Any = ext
+    current = ext._lockgate_staging
+    try:
+        identity = _identity(Path(path))
+    except OSError as exc:
+        ext.lockgate_drop_staged()
+        return f"{type(exc).__name__}: {exc}"
+    if current is not None and current.path == path and current.identity == identity:
+        return current
+    ext.lockgate_drop_staged()
+    try:
+        snap = open_snapshot(Path(path))
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        plan = plan_load(worker.model_runner.get_model(), snap)
+    except SnapshotMismatch as exc:
+        snap.close()
+        return str(exc)
+    ext._lockgate_staging = _Staging(path, identity, snap, plan)
+    return ext._lockgate_staging
 
 
 def _apply_copies(plan: _Plan, snap: Snapshot) -> None:
