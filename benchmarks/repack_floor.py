@@ -34,11 +34,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.weight_sync import BIG_MODEL_DIR as BIG
+from benchmarks.weight_sync import memcpy_gbps
 from lockgate.coordinator.replica_launcher import KEEP_FREED_MEMORY
 from lockgate.gateway.snapshot_file import Snapshot, StoredTensor, open_snapshot
 
 RESULTS = Path(__file__).parent / "results"
-BIG = Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b"
 MADV_POPULATE_READ = 22  # Linux 5.14+; Python's mmap module does not name it
 _Transpose = Callable[[torch.Tensor, torch.Tensor], None]  # (src [N, K] -> dst [K, N] view)
 
@@ -123,9 +124,6 @@ def main() -> int:
 
     handles = [ops.create_onednn_mm(nk_source(g).t(), 32) for g in groups]  # as at start-up
     kn_copies = [kn_source(g).clone() for g in groups]
-    src = torch.ones(nbytes // 4)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)
     plain = {n: torch.empty(snap.tensors[n].shape) for g in names for n in g}
 
     def best(fn: Callable[[], None], repeats: int = 3) -> float:
@@ -168,7 +166,7 @@ def main() -> int:
             kn_source(g)
 
     seconds = {
-        "memcpy": best(lambda: dst.copy_(src)),
+        "memcpy": nbytes / memcpy_gbps(nbytes) / 1e9,
         "snapshot_copy": best(snapshot_copy),
         "pack_from_file": best(pack(lambda i: nk_source(groups[i]).t())),
         "pack_from_new_file": best(pack_from_new_file(populate=False)),

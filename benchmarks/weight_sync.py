@@ -51,6 +51,7 @@ from lockgate.trainer.tiny_model import ensure_tiny_model
 
 ADMIN = "weight-sync-benchmark-token"
 RESULTS = Path(__file__).parent / "results"
+BIG_MODEL_DIR = Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b"  # built once, kept
 # ~0.5B parameters (2.0 GB in float32) on the tiny model's tokenizer.
 BIG_SHAPE = dict(
     hidden_size=1280,
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 plot([1e3 * r["pause_s"] for r in rows], RESULTS / "pause_latency.png")
 
         if not args.skip_big:
-            big = build_big_model(tiny, Path.home() / ".cache" / "lockgate" / "bench-qwen3-0.5b")
+            big = build_big_model(tiny, BIG_MODEL_DIR)
             nbytes = snapshot_bytes(big)
             loads = ["direct", "reload_weights"] if args.big_load == "both" else [args.big_load]
             cpus = args.big_cpus
