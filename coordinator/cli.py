@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "build-model", help="build (or find cached) the tiny offline test model; print its path"
     )
+    export = sub.add_parser(
+        "export-hf",
+        help="write a weight snapshot in HF layout (transformers and any vLLM load it)",
+        description="Copy SNAPSHOT (a run's trainer/weights/step_N) to OUT in HF layout, "
+        "turning weights the trainer stored in the replicas' kernel layout back into the "
+        "checkpoint's tensors.",
+    )
+    export.add_argument("snapshot", type=Path, metavar="SNAPSHOT", help="a snapshot dir")
+    export.add_argument("out", type=Path, metavar="OUT", help="where to write the HF snapshot")
     report = sub.add_parser(
         "report",
         help="plot a run's metrics into RUN_DIR/report/ (or compare several runs)",
@@ -82,8 +91,22 @@ def _report(run_dirs: list[Path], out: Path | None) -> int:
     return 0
 
 
+def _export_hf(snapshot: Path, out: Path) -> int:
+    from lockgate.trainer.export import to_hf  # torch is slow to import
+
+    if out.resolve() == snapshot.resolve():
+        return _error("OUT must differ from SNAPSHOT")
+    try:
+        print(to_hf(snapshot, out))
+    except (OSError, ValueError) as exc:
+        return _error(f"cannot export {snapshot}: {exc}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "export-hf":
+        return _export_hf(args.snapshot, args.out)
     if args.command == "build-model":
         from lockgate.trainer.tiny_model import ensure_tiny_model
 

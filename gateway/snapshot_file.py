@@ -3,6 +3,13 @@
 Every tensor of a file is a view of one mmap of it, so tensors stored next to each other can
 be read as one (a fused `gate_up_proj` from adjacent `gate_proj` and `up_proj`) without a
 copy, and a snapshot the trainer has just written is read straight from the page cache.
+
+A snapshot may store some linear weights in the layout the replicas' kernels read (the
+trainer writes it so when the replicas ask, `GET /admin/weights/layout`): such a tensor is
+named as the replica's parameter (`...qkv_proj.weight`), holds its checkpoint tensors joined
+along their rows and then transposed ([in, out]), and is listed in the file's metadata under
+`lockgate_transposed` as {name: [[checkpoint name, rows], ...]}. Nothing but lockgate's direct
+load reads such a snapshot; `lockgate export-hf` turns it back into HF layout.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+TRANSPOSED_KEY = "lockgate_transposed"
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -45,6 +53,8 @@ class Snapshot:
 
     files: list[torch.Tensor] = field(default_factory=list)  # each file as one uint8 tensor
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
+    # Stored transposed ([in, out]): name -> the checkpoint tensors it joins, with their rows.
+    transposed: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     _maps: list[mmap.mmap] = field(default_factory=list)
 
     def read(self, stored: StoredTensor) -> torch.Tensor:
@@ -90,6 +100,11 @@ def open_snapshot(path: Path) -> Snapshot:
         header = json.loads(m[8 : 8 + header_len])
         base = 8 + header_len
         snap.files.append(torch.frombuffer(m, dtype=torch.uint8))
+        try:
+            snap.transposed.update(_transposed(header.get("__metadata__") or {}))
+        except ValueError as exc:
+            snap.close()
+            raise ValueError(f"{file}: {exc}") from exc
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
@@ -100,4 +115,39 @@ def open_snapshot(path: Path) -> Snapshot:
             snap.tensors[name] = StoredTensor(
                 index, base + begin, base + end, _DTYPES[entry["dtype"]], tuple(entry["shape"])
             )
+    missing = sorted(set(snap.transposed) - set(snap.tensors))
+    if missing:
+        snap.close()
+        raise ValueError(f"{path}: {missing[0]} is listed as transposed but not stored")
     return snap
+
+
+def stores_transposed(path: Path) -> bool:
+    """Whether the snapshot in `path` holds weights in the replicas' kernel layout (reads only
+    the files' headers)."""
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                continue
+            (header_len,) = struct.unpack("<Q", raw)
+            try:
+                metadata = json.loads(f.read(header_len)).get("__metadata__") or {}
+            except (ValueError, AttributeError):
+                continue  # not a safetensors header: the load says so
+        if TRANSPOSED_KEY in metadata:
+            return True
+    return False
+
+
+def _transposed(metadata: dict[str, str]) -> dict[str, list[tuple[str, int]]]:
+    if TRANSPOSED_KEY not in metadata:
+        return {}
+    try:
+        listed = json.loads(metadata[TRANSPOSED_KEY])
+        return {
+            str(name): [(str(part), int(rows)) for part, rows in parts]
+            for name, parts in listed.items()
+        }
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed {TRANSPOSED_KEY} metadata ({exc})") from exc

@@ -30,12 +30,19 @@ from lockgate.gateway.errors import GatewayError, conflict
 from lockgate.gateway.pause import PauseGate
 from lockgate.gateway.pool import ReplicaPool
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
-from lockgate.gateway.schema import LoadReport, PauseMode, PauseReport, StageReport
+from lockgate.gateway.schema import (
+    LoadReport,
+    PauseMode,
+    PauseReport,
+    StageReport,
+    WeightsLayout,
+)
 from lockgate.gateway.weights import (
     NotStaged,
     StagedReplica,
     WeightSource,
     WeightTransport,
+    kernel_layout,
     transport_for,
 )
 
@@ -176,6 +183,28 @@ class SyncController:
             return StageReport(
                 staged=staged, not_staged=not_staged, stage_s=time.perf_counter() - started
             )
+
+    async def layout(self) -> WeightsLayout:
+        """The snapshot layout every healthy replica loads fastest: the layers all of them name
+        in their kernel layout, with the same checkpoint tensors (HF layout for the rest)."""
+        clients = self.pool.healthy_clients()
+        results = await asyncio.gather(*(kernel_layout(c) for c in clients), return_exceptions=True)
+        common: dict[str, list[str]] | None = None
+        hf_because: dict[str, str] = {}
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                hf_because[client.url] = f"{type(result).__name__}: {result}"
+                common = {}
+                continue
+            if not result:
+                hf_because[client.url] = "no direct snapshot load (or nothing packed)"
+            if common is None:
+                common = dict(result)
+            elif common != result:
+                if result:
+                    hf_because[client.url] = "names other layers than the other replicas"
+                common = {k: v for k, v in common.items() if result.get(k) == v}
+        return WeightsLayout(transposed=common or {}, hf_because=hf_because)
 
     async def load(self, source: WeightSource, version: int) -> LoadReport:
         async with self._lock:

@@ -8,7 +8,9 @@
   faster). Any other replica, or a snapshot that does not map onto the model one to one,
   goes through vLLM's own `reload_weights`.
   Such a replica can also stage a snapshot while it serves (`stage`): the new kernel handles
-  are built between engine steps, and the load inside the pause only swaps them in.
+  are built between engine steps, and the load inside the pause only swaps them in. And it
+  names the layers it loads faster from a snapshot in its kernel layout (`kernel_layout`), so
+  the trainer can write them that way (snapshot_file.py); only the direct load reads those.
 - `nccl` (GPU clusters): vLLM's native weight-transfer API. The gateway only drives the
   replica side (`/start_weight_update`, `/update_weights`, `/finish_weight_update`); the
   trainer broadcasts the tensors over the NCCL group both joined at start-up. It needs CUDA and
@@ -31,6 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
+from lockgate.gateway.snapshot_file import stores_transposed
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ SNAPSHOT_LOAD_EXTENSION = "lockgate.gateway.replica_load.SnapshotLoad"
 _READY_METHOD = "lockgate_snapshot_load_ready"
 _LOAD_METHOD = "lockgate_load_snapshot"
 _STAGE_METHOD = "lockgate_stage_snapshot"
+_LAYOUT_METHOD = "lockgate_snapshot_layout"
 
 
 class StagedReplica(BaseModel):
@@ -53,7 +57,10 @@ class NotStaged(Exception):
 class DiskWeights(BaseModel):
     model_config = ConfigDict(extra="forbid")
     transport: Literal["disk"] = "disk"
-    path: str = Field(description="HF-format snapshot dir (safetensors) every replica can read.")
+    path: str = Field(
+        description="Snapshot dir (safetensors in HF or the replicas' kernel layout, and the "
+        "model's config.json) every replica can read."
+    )
 
 
 class NcclWeights(BaseModel):
@@ -87,9 +94,14 @@ class DiskTransport(WeightTransport):
     async def load(self, replica: ReplicaClient) -> None:
         # A missing snapshot is the same failure on every replica: say so before asking them.
         if not (Path(self.path) / "config.json").is_file():
-            raise ReplicaUnavailable(f"no HF snapshot at {self.path} (config.json missing)")
+            raise ReplicaUnavailable(f"no snapshot at {self.path} (config.json missing)")
         if await _has_snapshot_load(replica) and await self._load_directly(replica):
             return
+        if stores_transposed(Path(self.path)):
+            raise ReplicaUnavailable(
+                f"{self.path} holds weights in the kernel layout, which only lockgate's direct "
+                "load reads, and this replica could not load it directly (see the log)"
+            )
         await replica.call_admin(
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.path}}
         )
@@ -97,7 +109,7 @@ class DiskTransport(WeightTransport):
     async def stage(self, replica: ReplicaClient, slice_s: float) -> StagedReplica:
         # Slice by slice, each one RPC: vLLM runs its engine steps in between.
         if not (Path(self.path) / "config.json").is_file():
-            raise NotStaged(f"no HF snapshot at {self.path} (config.json missing)")
+            raise NotStaged(f"no snapshot at {self.path} (config.json missing)")
         if not await _has_snapshot_load(replica):
             raise NotStaged("no snapshot-load extension on this replica")
         staged = StagedReplica(slices=0, build_s=0.0)
@@ -151,6 +163,19 @@ async def _has_snapshot_load(replica: ReplicaClient) -> bool:
             isinstance(r, dict) and r.get("ready") is True for r in results
         )
     return replica.snapshot_load
+
+
+async def kernel_layout(replica: ReplicaClient) -> dict[str, list[str]]:
+    """The layers this replica would load faster from a snapshot in its kernel layout (each
+    packed parameter -> its checkpoint tensors); empty where it has no direct load."""
+    if not await _has_snapshot_load(replica):
+        return {}
+    answer = await replica.call_admin("/collective_rpc", {"method": _LAYOUT_METHOD})
+    results = answer.get("results") if isinstance(answer, dict) else None
+    layouts = [r.get("transposed") if isinstance(r, dict) else None for r in results or []]
+    if not layouts or any(not isinstance(lay, dict) or lay != layouts[0] for lay in layouts):
+        raise ReplicaUnavailable(f"{replica.url}: no single layout from its workers: {results}")
+    return {str(k): [str(p) for p in v] for k, v in layouts[0].items()}
 
 
 class NcclTransport(WeightTransport):

@@ -33,8 +33,10 @@ from lockgate.gateway.schema import (
     SessionSamples,
     StageReport,
     TrainingSample,
+    WeightsLayout,
 )
 from lockgate.trainer.batch import StepResult, TrainBatch
+from lockgate.trainer.export import ExportLayout
 
 
 class FakeGateway:
@@ -85,6 +87,12 @@ class FakeGateway:
         )  # fmt: skip
         return SessionSamples(session=self._info(sid), samples=[sample], splits=0)
 
+    async def weights_layout(self) -> WeightsLayout:
+        self.sync_calls.append("layout")
+        return WeightsLayout(
+            transposed={"l.qkv.weight": ["l.q.weight", "l.k.weight"]}, hf_because={}
+        )
+
     async def stage_weights(self, path: str, slice_s: float) -> StageReport:
         self.sync_calls.append(f"stage {Path(path).name}")
         return StageReport(staged={}, not_staged={}, stage_s=0.0)
@@ -109,8 +117,13 @@ class FakeTrainer:
         self.steps: list[int] = []
         self.metrics_path = metrics_path
 
+        self.layouts: list[tuple[int, ExportLayout]] = []  # (steps trained before, layout)
+
     def snapshot_dir(self, step: int) -> Path:
         return Path(f"/weights/step_{step}")
+
+    def set_export_layout(self, layout: ExportLayout) -> None:
+        self.layouts.append((len(self.steps), layout))
 
     async def train_step(self, batch: TrainBatch) -> StepResult:
         self.steps.append(batch.step)
@@ -199,13 +212,30 @@ def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_pat
     loop, gateway = _loop(tmp_path, steps=4, eta=0, sync=SyncSection(stage=True))
     asyncio.run(loop.run())
     # Each sync has the replicas stage its snapshot while serving, then pauses and loads it.
-    syncs = [gateway.sync_calls[i : i + 3] for i in range(0, len(gateway.sync_calls), 3)]
+    calls = gateway.sync_calls[1:]  # after asking for the snapshot layout
+    syncs = [calls[i : i + 3] for i in range(0, len(calls), 3)]
     assert len(syncs) == 4
     assert all(s[0].startswith("stage ") and s[1:] == ["pause", "load" + s[0][5:]] for s in syncs)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["staleness/hist"] == {"0": r["batch/loss_tokens"]}
+
+
+def test_the_trainer_writes_snapshots_in_the_replicas_layout_from_the_first_step(
+    tmp_path: Path,
+) -> None:
+    loop, gateway = _loop(tmp_path, steps=2, eta=1)
+    asyncio.run(loop.run())
+    assert gateway.sync_calls[0] == "layout"
+    assert loop.trainer.layouts == [  # type: ignore[attr-defined]
+        (0, ExportLayout(transposed={"l.qkv.weight": ["l.q.weight", "l.k.weight"]}))
+    ]
+    # snapshot_layout = "hf": the trainer is never told, so it writes HF layout.
+    loop, gateway = _loop(tmp_path / "hf", steps=2, eta=1, sync=SyncSection(snapshot_layout="hf"))
+    asyncio.run(loop.run())
+    assert "layout" not in gateway.sync_calls
+    assert loop.trainer.layouts == []  # type: ignore[attr-defined]
 
 
 def test_state_lines_load_by_step_and_truncate_ignoring_a_half_written_line(tmp_path: Path) -> None:

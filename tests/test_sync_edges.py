@@ -319,7 +319,7 @@ async def test_staging_goes_on_while_serving_and_says_why_a_replica_did_not_stag
         r.url: "no snapshot-load extension on this replica" for r in stack.replicas
     }
     missing = await stack.admin("/admin/weights/stage", {"path": "/no/such/snapshot"})
-    assert all("no HF snapshot" in why for why in missing.json()["not_staged"].values())
+    assert all("no snapshot at" in why for why in missing.json()["not_staged"].values())
     assert stack.app.state.gateway.gate.state == "serving"
     assert all(r.loads == [] and r.paused is None for r in stack.replicas)
     for _, call in calls:
@@ -330,6 +330,21 @@ async def test_staging_goes_on_while_serving_and_says_why_a_replica_did_not_stag
     unauthorized = await stack.client.post(
         "/admin/weights/stage", json={"path": str(tiny_model_dir)}
     )
+    assert unauthorized.status_code == 401 and "error" in unauthorized.json()
+
+
+async def test_replicas_without_the_direct_load_ask_for_snapshots_in_hf_layout(
+    stack: Stack,
+) -> None:
+    layout = await stack.client.get("/admin/weights/layout", headers=HEADERS)
+    assert layout.status_code == 200, layout.text
+    assert layout.json() == {
+        "transposed": {},
+        "hf_because": {
+            r.url: "no direct snapshot load (or nothing packed)" for r in stack.replicas
+        },
+    }
+    unauthorized = await stack.client.get("/admin/weights/layout")
     assert unauthorized.status_code == 401 and "error" in unauthorized.json()
 
 

@@ -15,11 +15,13 @@ import httpx
 import pytest
 from conftest import tiny_replica_set
 from openai import AsyncOpenAI
+from safetensors.torch import load_file
 
 from lockgate.gateway.app import create_app
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.weights import DiskWeights
+from lockgate.trainer.export import ExportLayout, write_snapshot
 from lockgate.trainer.logprobs import logprobs_from_dir
 
 pytestmark = pytest.mark.vllm
@@ -261,6 +263,45 @@ async def test_a_direct_load_serves_exactly_the_trainers_new_weights_on_every_re
     try:
         await gw.sync(perturbed_model_dir, version + 1)
         assert all(c.snapshot_load is True for c in gw.gateway.pool.clients)
+        assert not [r.message for r in caplog.records if "reload_weights" in r.message]
+        await _assert_every_replica_serves(gw, perturbed_model_dir, tiny_model_dir)
+    finally:
+        await gw.sync(tiny_model_dir, version + 2)  # later tests expect the original weights
+
+
+async def test_a_snapshot_in_the_replicas_kernel_layout_serves_the_trainers_weights(
+    gw: Gw,
+    tiny_model_dir: Path,
+    perturbed_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The real replicas name every linear layer of every decoder layer, with its checkpoint
+    tensors in vLLM's order; a snapshot the trainer writes in that layout loads directly
+    (never through reload_weights) and every replica then serves exactly the new weights."""
+    layout = await gw.gateway.sync.layout()
+    assert layout.hf_because == {}
+    assert {n.rsplit(".", 2)[-2] for n in layout.transposed} >= {
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    }
+    qkv = layout.transposed["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    new_weights = load_file(str(perturbed_model_dir / "model.safetensors"))
+    snapshot = write_snapshot(
+        new_weights,
+        perturbed_model_dir,
+        tmp_path / "kernel",
+        ExportLayout(transposed=layout.transposed),
+    )
+    stored = load_file(str(snapshot / "model.safetensors"))
+    assert set(layout.transposed) <= set(stored)  # every named layer stored [in, out]
+    version = gw.gateway.gate.version
+    caplog.set_level(logging.INFO, logger="lockgate.gateway.weights")
+    try:
+        await gw.sync(snapshot, version + 1)
         assert not [r.message for r in caplog.records if "reload_weights" in r.message]
         await _assert_every_replica_serves(gw, perturbed_model_dir, tiny_model_dir)
     finally:

@@ -1,12 +1,23 @@
-"""Weight snapshots in HF format: what replicas reload and what people take away.
+"""Weight snapshots: what replicas load, and (in HF layout) what people take away.
 
 A snapshot is the model's full state dict as safetensors next to the source model's config and
 tokenizer files, written into a temporary folder and renamed into place, so a replica never
 reads half a snapshot.
+
+By default it is in HF layout, which transformers and vLLM load. Given an `ExportLayout` (the
+replicas' answer to `GET /admin/weights/layout`, which the coordinator passes on), the linear
+weights it names are stored in the replicas' kernel layout instead: each as one tensor named
+as the replica's parameter, its checkpoint tensors joined along their rows and transposed
+([in, out]), listed in the file's metadata under `lockgate_transposed` as
+{name: [[checkpoint name, rows], ...]}. vLLM-CPU then builds its kernel handles from a
+contiguous source (about half the cost of transposing on load), the transpose having been done
+here, once, by the trainer. Only lockgate's direct load reads such a snapshot; `to_hf` (the
+`lockgate export-hf` command) turns it back into HF layout.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 # Everything of an HF model dir except its weights.
@@ -28,14 +41,90 @@ _SIDE_FILES = (
     "merges.txt",
 )
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# The metadata key the replicas' direct load reads (lockgate/gateway/snapshot_file.py).
+TRANSPOSED_KEY = "lockgate_transposed"
 
 
-def write_snapshot(state_dict: Mapping[str, torch.Tensor], source_dir: Path, out_dir: Path) -> Path:
+class ExportLayout(BaseModel):
+    """Linear weights to store in the replicas' kernel layout: the replica's parameter name ->
+    the checkpoint tensors it joins, in order. Empty: HF layout throughout."""
+
+    model_config = ConfigDict(extra="forbid")
+    transposed: dict[str, list[str]] = {}
+
+
+def write_snapshot(
+    state_dict: Mapping[str, torch.Tensor],
+    source_dir: Path,
+    out_dir: Path,
+    layout: ExportLayout | None = None,
+) -> Path:
+    tensors = {k: v.detach().to("cpu") for k, v in state_dict.items()}
+    metadata = {"format": "pt"}
+    if layout is not None and layout.transposed:
+        transposed = _transpose(tensors, layout)
+        if transposed:
+            metadata[TRANSPOSED_KEY] = json.dumps(transposed)
+    return _publish(tensors, metadata, source_dir, out_dir)
+
+
+def to_hf(snapshot: Path, out_dir: Path) -> Path:
+    """The snapshot in `snapshot` in HF layout at `out_dir` (a copy, if it already is)."""
+    files = sorted(snapshot.glob("*.safetensors"))
+    if not (snapshot / "config.json").is_file() or not files:
+        raise FileNotFoundError(f"{snapshot} is not a snapshot (no config.json or safetensors)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            listed = json.loads((f.metadata() or {}).get(TRANSPOSED_KEY, "{}"))
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if name not in listed:
+                    tensors[name] = tensor
+                    continue
+                col = 0
+                for part, rows in listed[name]:
+                    tensors[part] = tensor[:, col : col + rows].t().contiguous()
+                    col += rows
+    return _publish(tensors, {"format": "pt"}, snapshot, out_dir)
+
+
+def _transpose(
+    tensors: dict[str, torch.Tensor], layout: ExportLayout
+) -> dict[str, list[tuple[str, int]]]:
+    """Replace each layer's checkpoint tensors by one [in, out] tensor, in place; returns the
+    metadata entries of those stored so. A layer whose tensors are not all here (a layout of
+    another model) stays in HF layout: the direct load then refuses what does not fit."""
+    listed: dict[str, list[tuple[str, int]]] = {}
+    for name, parts in layout.transposed.items():
+        found = [tensors.get(p) for p in parts]
+        clash = name in tensors and name not in parts  # another tensor has the name
+        if clash or any(t is None or t.dim() != 2 for t in found):
+            continue
+        shards = [t for t in found if t is not None]
+        if len({t.shape[1] for t in shards}) != 1 or len({t.dtype for t in shards}) != 1:
+            continue
+        joined = torch.empty(
+            shards[0].shape[1], sum(t.shape[0] for t in shards), dtype=shards[0].dtype
+        )
+        col = 0
+        for part, shard in zip(parts, shards, strict=True):
+            joined[:, col : col + shard.shape[0]].copy_(shard.t())
+            col += shard.shape[0]
+            del tensors[part]
+        tensors[name] = joined
+        listed[name] = [(p, t.shape[0]) for p, t in zip(parts, shards, strict=True)]
+    return listed
+
+
+def _publish(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], source_dir: Path, out_dir: Path
+) -> Path:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(tmp / "model.safetensors"), metadata=metadata)
     for name in _SIDE_FILES:
         if (source_dir / name).is_file():
             shutil.copy2(source_dir / name, tmp / name)

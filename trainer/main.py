@@ -81,7 +81,7 @@ def _export(
     )
     out = protocol.snapshot_dir(run_dir, step)
     if world.is_main:
-        write_snapshot(state, config.model_dir, out)
+        write_snapshot(state, config.model_dir, out, protocol.export_layout(run_dir))
         prune_snapshots(out.parent, config.keep_snapshots, step)
     return out
 

@@ -15,6 +15,10 @@ previous checkpoint instead of leaving a hole in its metrics.
 `failed` reads "rank R: ErrorType: message" when a rank dies of an error outside a step (at
 start-up, say: a missing GPU, an unreadable model dir), so the coordinator can say why.
 
+`export_layout.json` (an `ExportLayout`, optional, written by the coordinator) says which
+linear weights to store in the replicas' kernel layout; rank 0 reads it at every export, so a
+snapshot follows the newest one. Without it snapshots are in HF layout.
+
 `ready` appears once every rank holds the model. It reads "WORLD_SIZE RESUMED_STEP" (see
 `ready_text` / `parse_ready`). RESUMED_STEP is 0 for a fresh start, or N when the trainer was
 started with `resume: true` and found its newest checkpoint, `checkpoints/step_N`. Either way
@@ -28,10 +32,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lockgate.trainer.export import ExportLayout
+
 READY = "ready"
 STOP = "STOP"
 COMMITTED = "committed"
 FAILED = "failed"
+EXPORT_LAYOUT = "export_layout.json"
 
 
 def batch_path(run_dir: Path, step: int) -> Path:
@@ -52,6 +59,14 @@ def snapshot_dir(run_dir: Path, step: int) -> Path:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
+
+
+def export_layout(run_dir: Path) -> ExportLayout | None:
+    """The layout snapshots are to be written in; None: HF layout."""
+    try:
+        return ExportLayout.model_validate_json((run_dir / EXPORT_LAYOUT).read_text())
+    except FileNotFoundError:
+        return None
 
 
 def committed_step(run_dir: Path) -> int:
