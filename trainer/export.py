@@ -18,16 +18,18 @@ here, once, by the trainer. Only lockgate's direct load reads such a snapshot; `
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 # Everything of an HF model dir except its weights.
 _SIDE_FILES = (
@@ -61,11 +63,10 @@ def write_snapshot(
 ) -> Path:
     tensors = {k: v.detach().to("cpu") for k, v in state_dict.items()}
     metadata = {"format": "pt"}
-    if layout is not None and layout.transposed:
-        transposed = _transpose(tensors, layout)
-        if transposed:
-            metadata[TRANSPOSED_KEY] = json.dumps(transposed)
-    return _publish(tensors, metadata, source_dir, out_dir)
+    stored, listed = _transpose(tensors, layout or ExportLayout())
+    if listed:
+        metadata[TRANSPOSED_KEY] = json.dumps(listed)
+    return _publish(stored, metadata, source_dir, out_dir)
 
 
 def to_hf(snapshot: Path, out_dir: Path) -> Path:
@@ -89,12 +90,53 @@ def to_hf(snapshot: Path, out_dir: Path) -> Path:
     return _publish(tensors, {"format": "pt"}, snapshot, out_dir)
 
 
+@dataclass
+class _Joined:
+    """Checkpoint tensors [rows_i, in] to be stored joined along their rows and transposed:
+    one [in, sum rows] tensor, built only as it is written."""
+
+    parts: list[torch.Tensor]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.parts[0].shape[1], sum(p.shape[0] for p in self.parts))
+
+    def transposed(self) -> torch.Tensor:
+        # Whole-matrix transposes into buffers kept across exports: torch's transposing copy
+        # is fast only between whole contiguous matrices, and fresh memory costs a page fault
+        # per 4 KiB, which on a VM is most of the time (benchmarks/README.md, weight sync).
+        rows = self.shape[::-1]
+        source = self.parts[0]
+        if len(self.parts) > 1:
+            source = _scratch("joined", rows, self.dtype)
+            torch.cat(self.parts, out=source)
+        out = _scratch("transposed", self.shape, self.dtype)
+        out.copy_(source.t())
+        return out
+
+
+def _scratch(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    key = (kind, shape, dtype)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(shape, dtype=dtype)
+    return _SCRATCH[key]
+
+
+_SCRATCH: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+
 def _transpose(
     tensors: dict[str, torch.Tensor], layout: ExportLayout
-) -> dict[str, list[tuple[str, int]]]:
-    """Replace each layer's checkpoint tensors by one [in, out] tensor, in place; returns the
-    metadata entries of those stored so. A layer whose tensors are not all here (a layout of
-    another model) stays in HF layout: the direct load then refuses what does not fit."""
+) -> tuple[dict[str, torch.Tensor | _Joined], dict[str, list[tuple[str, int]]]]:
+    """The tensors to store, each layer the layout names (and whose checkpoint tensors are all
+    here) as one `_Joined`; and the metadata entries of those. A layer whose tensors are not
+    all here (a layout of another model) stays in HF layout: the direct load then refuses
+    what does not fit."""
+    stored: dict[str, torch.Tensor | _Joined] = dict(tensors)
     listed: dict[str, list[tuple[str, int]]] = {}
     for name, parts in layout.transposed.items():
         found = [tensors.get(p) for p in parts]
@@ -104,27 +146,23 @@ def _transpose(
         shards = [t for t in found if t is not None]
         if len({t.shape[1] for t in shards}) != 1 or len({t.dtype for t in shards}) != 1:
             continue
-        joined = torch.empty(
-            shards[0].shape[1], sum(t.shape[0] for t in shards), dtype=shards[0].dtype
-        )
-        col = 0
-        for part, shard in zip(parts, shards, strict=True):
-            joined[:, col : col + shard.shape[0]].copy_(shard.t())
-            col += shard.shape[0]
-            del tensors[part]
-        tensors[name] = joined
+        for part in parts:
+            del stored[part]
+        stored[name] = _Joined(shards)
         listed[name] = [(p, t.shape[0]) for p, t in zip(parts, shards, strict=True)]
-    return listed
+    return stored, listed
 
 
 def _publish(
-    tensors: dict[str, torch.Tensor], metadata: dict[str, str], source_dir: Path, out_dir: Path
+    tensors: Mapping[str, torch.Tensor | _Joined],
+    metadata: dict[str, str],
+    source_dir: Path,
+    out_dir: Path,
 ) -> Path:
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    contiguous = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(contiguous, str(tmp / "model.safetensors"), metadata=metadata)
+    _save(tensors, metadata, tmp / "model.safetensors")
     for name in _SIDE_FILES:
         if (source_dir / name).is_file():
             shutil.copy2(source_dir / name, tmp / name)
@@ -132,6 +170,50 @@ def _publish(
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def _save(
+    tensors: Mapping[str, torch.Tensor | _Joined], metadata: dict[str, str], path: Path
+) -> None:
+    """A safetensors file written tensor by tensor straight from memory: safetensors'
+    `save_file` first copies every tensor into a bytes object, and a joined layer is built
+    only as it is written. Ordered as `save_file` orders them (widest dtype first, then by
+    name), so each tensor stays aligned to its dtype and gate_proj is followed by up_proj."""
+    names = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts aligned, as safetensors pads it
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            tensor = tensors[name]
+            data = tensor.transposed() if isinstance(tensor, _Joined) else tensor.contiguous()
+            f.write(data.reshape(-1).view(torch.uint8).numpy())
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def prune_snapshots(weights_dir: Path, keep: int, current: int) -> None:
