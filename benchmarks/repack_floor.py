@@ -10,8 +10,10 @@ blocked layout. This measures, for the ~0.5B benchmark model's linear weights (1
 - `pack_from_file`: what the direct load does (handles built from [N, K] views of the file,
   q/k/v joined in a reused buffer first);
 - `transpose` + `pack_from_kn`: the two-pass alternative (a [K, N] copy first, OpenBLAS's
-  `somatcopy` where numpy bundles it, else torch), and the pack from [K, N] alone: the floor
-  if snapshots were stored in the kernel's [K, N] layout.
+  `somatcopy` where numpy bundles it, else torch), and the pack from [K, N] alone;
+- `pack_from_new_kn_file`: what the direct load does with a snapshot the trainer wrote in the
+  replicas' kernel layout (`sync.snapshot_layout: replicas`, the default): handles built from
+  a newly opened file's contiguous [K, N] tensors.
 
 Run it with the replicas' allocator settings (it re-executes itself with them), pinned to one
 core as the benchmark's replica is:
@@ -27,7 +29,9 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +42,7 @@ from benchmarks.weight_sync import BIG_MODEL_DIR as BIG
 from benchmarks.weight_sync import memcpy_gbps
 from lockgate.coordinator.replica_launcher import KEEP_FREED_MEMORY
 from lockgate.gateway.snapshot_file import Snapshot, StoredTensor, open_snapshot
+from lockgate.trainer.export import ExportLayout, write_snapshot
 
 RESULTS = Path(__file__).parent / "results"
 MADV_POPULATE_READ = 22  # Linux 5.14+; Python's mmap module does not name it
@@ -165,6 +170,18 @@ def main() -> int:
         for g in groups:
             kn_source(g)
 
+    # The same weights as the trainer writes them for the replicas (fused names as vLLM's).
+    kn_dir = Path(tempfile.mkdtemp(prefix="lockgate-kn-"))
+    fused = {f"{g[0].rsplit('.', 1)[0]}.kn": g for g in names}
+    state = {n: snap.read(snap.tensors[n]) for g in names for n in g}
+    write_snapshot(state, BIG, kn_dir, ExportLayout(transposed=fused))
+
+    def pack_from_new_kn_file() -> None:
+        fresh = open_snapshot(kn_dir)
+        for i, name in enumerate(fused):
+            handles[i] = ops.create_onednn_mm(fresh.read(fresh.tensors[name]), 32)
+        fresh.close()
+
     seconds = {
         "memcpy": nbytes / memcpy_gbps(nbytes) / 1e9,
         "snapshot_copy": best(snapshot_copy),
@@ -173,8 +190,10 @@ def main() -> int:
         "pack_from_new_file_populated": best(pack_from_new_file(populate=True)),
         f"transpose_{transpose_name}": best(transpose_all),
         "pack_from_kn": best(pack(lambda i: kn_copies[i])),
+        "pack_from_new_kn_file": best(pack_from_new_kn_file),
     }
     snap.close()
+    shutil.rmtree(kn_dir)
     base = seconds["memcpy"]
     results = {
         "bytes": nbytes,

@@ -38,5 +38,5 @@ class TrainBatch(BaseModel):
 
 class StepResult(BaseModel):
     step: int
-    weights_dir: str  # a complete HF-format snapshot of the weights after this step
+    weights_dir: str  # a complete snapshot of the weights after this step (trainer/export.py)
     metrics: dict[str, float]
