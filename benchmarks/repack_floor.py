@@ -42,7 +42,8 @@ from benchmarks.weight_sync import BIG_MODEL_DIR as BIG
 from benchmarks.weight_sync import memcpy_gbps
 from lockgate.coordinator.replica_launcher import KEEP_FREED_MEMORY
 from lockgate.gateway.snapshot_file import Snapshot, StoredTensor, open_snapshot
-from lockgate.trainer.export import ExportLayout, write_snapshot
+from lockgate.trainer.export import write_snapshot
+from lockgate.trainer.protocol import ExportLayout
 
 RESULTS = Path(__file__).parent / "results"
 MADV_POPULATE_READ = 22  # Linux 5.14+; Python's mmap module does not name it

@@ -92,7 +92,8 @@ def layout_snapshot(url: str, model_dir: Path, out: Path, layout: str) -> tuple[
     the layout the replicas behind `url` ask for, or in HF layout; and the export's seconds."""
     from safetensors.torch import load_file
 
-    from lockgate.trainer.export import ExportLayout, write_snapshot
+    from lockgate.trainer.export import write_snapshot
+    from lockgate.trainer.protocol import ExportLayout
 
     export = ExportLayout()
     if layout == "kernel":
@@ -439,12 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             loads = ["direct", "reload_weights"] if args.big_load == "both" else [args.big_load]
             layouts = ["kernel", "hf"] if args.layout == "both" else [args.layout]
             cpus = args.big_cpus
-            runs = [
-                (load, layout)
-                for load in loads
-                for layout in layouts
-                if load == "direct" or layout == "hf"  # reload_weights reads HF layout only
-            ]
+            runs = [("direct", layout) for layout in layouts if "direct" in loads]
+            if "reload_weights" in loads:
+                runs.append(("reload_weights", "hf"))  # it reads HF layout only
             for load, layout in runs:
                 direct = load == "direct"
                 print(

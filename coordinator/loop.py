@@ -52,7 +52,7 @@ from lockgate.coordinator.trainer_process import TrainerProcess
 from lockgate.coordinator.validation import run_validation
 from lockgate.gateway.client import GatewayClient, GatewayClientError
 from lockgate.trainer.batch import StepResult, TrainBatch
-from lockgate.trainer.export import ExportLayout
+from lockgate.trainer.protocol import ExportLayout
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from lockgate.coordinator.processes import log_tail, spawn, terminate
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.config import TrainerConfig
-from lockgate.trainer.export import ExportLayout
+from lockgate.trainer.protocol import ExportLayout
 
 
 class TrainerError(RuntimeError):

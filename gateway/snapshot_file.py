@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-TRANSPOSED_KEY = "lockgate_transposed"
+from lockgate.gateway.snapshot_header import transposed_entries
+
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -101,7 +102,7 @@ def open_snapshot(path: Path) -> Snapshot:
         base = 8 + header_len
         snap.files.append(torch.frombuffer(m, dtype=torch.uint8))
         try:
-            snap.transposed.update(_transposed(header.get("__metadata__") or {}))
+            snap.transposed.update(transposed_entries(header.get("__metadata__") or {}))
         except ValueError as exc:
             snap.close()
             raise ValueError(f"{file}: {exc}") from exc
@@ -120,34 +121,3 @@ def open_snapshot(path: Path) -> Snapshot:
         snap.close()
         raise ValueError(f"{path}: {missing[0]} is listed as transposed but not stored")
     return snap
-
-
-def stores_transposed(path: Path) -> bool:
-    """Whether the snapshot in `path` holds weights in the replicas' kernel layout (reads only
-    the files' headers)."""
-    for file in sorted(path.glob("*.safetensors")):
-        with file.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                continue
-            (header_len,) = struct.unpack("<Q", raw)
-            try:
-                metadata = json.loads(f.read(header_len)).get("__metadata__") or {}
-            except (ValueError, AttributeError):
-                continue  # not a safetensors header: the load says so
-        if TRANSPOSED_KEY in metadata:
-            return True
-    return False
-
-
-def _transposed(metadata: dict[str, str]) -> dict[str, list[tuple[str, int]]]:
-    if TRANSPOSED_KEY not in metadata:
-        return {}
-    try:
-        listed = json.loads(metadata[TRANSPOSED_KEY])
-        return {
-            str(name): [(str(part), int(rows)) for part, rows in parts]
-            for name, parts in listed.items()
-        }
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ValueError(f"malformed {TRANSPOSED_KEY} metadata ({exc})") from exc

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
-from lockgate.gateway.snapshot_file import stores_transposed
+from lockgate.gateway.snapshot_header import stores_transposed
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from lockgate.gateway.schema import (
     WeightsLayout,
 )
 from lockgate.trainer.batch import StepResult, TrainBatch
-from lockgate.trainer.export import ExportLayout
+from lockgate.trainer.protocol import ExportLayout
 
 
 class FakeGateway:

@@ -25,9 +25,11 @@ from test_snapshot_load import (
 from lockgate.coordinator.cli import main as cli
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
 from lockgate.gateway.replica_load import kernel_layout
-from lockgate.gateway.snapshot_file import open_snapshot, stores_transposed
+from lockgate.gateway.snapshot_file import open_snapshot
+from lockgate.gateway.snapshot_header import stores_transposed
 from lockgate.gateway.weights import DiskTransport, DiskWeights
-from lockgate.trainer.export import ExportLayout, to_hf, write_snapshot
+from lockgate.trainer.export import to_hf, write_snapshot
+from lockgate.trainer.protocol import ExportLayout
 
 QKV = "layers.0.self_attn.qkv_proj.weight"
 

@@ -21,8 +21,9 @@ from lockgate.gateway.app import create_app
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.weights import DiskWeights
-from lockgate.trainer.export import ExportLayout, write_snapshot
+from lockgate.trainer.export import write_snapshot
 from lockgate.trainer.logprobs import logprobs_from_dir
+from lockgate.trainer.protocol import ExportLayout
 
 pytestmark = pytest.mark.vllm
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
+
+from lockgate.trainer.protocol import ExportLayout
 
 # Everything of an HF model dir except its weights.
 _SIDE_FILES = (
@@ -43,16 +44,8 @@ _SIDE_FILES = (
     "merges.txt",
 )
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# The metadata key the replicas' direct load reads (lockgate/gateway/snapshot_file.py).
+# The metadata key the replicas' direct load reads (lockgate/gateway/snapshot_header.py).
 TRANSPOSED_KEY = "lockgate_transposed"
-
-
-class ExportLayout(BaseModel):
-    """Linear weights to store in the replicas' kernel layout: the replica's parameter name ->
-    the checkpoint tensors it joins, in order. Empty: HF layout throughout."""
-
-    model_config = ConfigDict(extra="forbid")
-    transposed: dict[str, list[str]] = {}
 
 
 def write_snapshot(

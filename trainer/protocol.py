@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lockgate.trainer.export import ExportLayout
+from pydantic import BaseModel, ConfigDict
 
 READY = "ready"
 STOP = "STOP"
@@ -59,6 +59,14 @@ def snapshot_dir(run_dir: Path, step: int) -> Path:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
+
+
+class ExportLayout(BaseModel):
+    """Linear weights to store in the replicas' kernel layout (trainer/export.py): the
+    replica's parameter name -> the checkpoint tensors it joins, in order. Empty: HF layout."""
+
+    model_config = ConfigDict(extra="forbid")
+    transposed: dict[str, list[str]] = {}
 
 
 def export_layout(run_dir: Path) -> ExportLayout | None:
