@@ -51,6 +51,7 @@ from lockgate.coordinator.staleness import (
 from lockgate.coordinator.trainer_process import TrainerProcess
 from lockgate.coordinator.validation import run_validation
 from lockgate.gateway.client import GatewayClient, GatewayClientError
+from lockgate.gateway.schema import WeightsLayout
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.protocol import ExportLayout
 
@@ -124,6 +125,7 @@ class TrainingLoop:
         self._val_task: asyncio.Task[dict[str, float]] | None = None
         self._sync_task: asyncio.Task[dict[str, float]] | None = None
         self._val_reported = False
+        self._export_layout: ExportLayout | None = None  # what the trainer was last told
         self._rewards = list(previous_rewards)
         # The task cursor (loop_state.py): serials dispatched and not yet trained or dropped.
         self._pending: set[int] = set()
@@ -142,7 +144,6 @@ class TrainingLoop:
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
-        await self._choose_snapshot_layout()
         if self._resume is not None:
             await self._resync(self._resume.step)
         async with asyncio.TaskGroup() as tg:
@@ -165,15 +166,21 @@ class TrainingLoop:
         )
 
     async def _choose_snapshot_layout(self) -> None:
-        """Have the trainer write snapshots in the layout the replicas load fastest."""
+        """Have the trainer write this step's snapshot in the layout the replicas load fastest.
+        Asked before every batch (the gateway answers from what it knows of each replica), so
+        a replica added during the run without the direct load turns snapshots back to HF."""
         if self.sync.snapshot_layout == "hf":
             return
         try:
             layout = await self.gateway.weights_layout()
         except GatewayClientError as exc:
             log.warning("no snapshot layout from the gateway (%s): snapshots in HF layout", exc)
+            layout = WeightsLayout(transposed={}, hf_because={"gateway": str(exc)})
+        export = ExportLayout(transposed=layout.transposed)
+        if export == self._export_layout:
             return
-        self.trainer.set_export_layout(ExportLayout(transposed=layout.transposed))
+        self._export_layout = export
+        self.trainer.set_export_layout(export)
         log.info(
             "snapshots: %d linear weights in the replicas' kernel layout%s",
             len(layout.transposed),
@@ -319,6 +326,7 @@ class TrainingLoop:
         staleness = [(step - 1) - v for v in versions]
         # Before the batch goes out: a trainer checkpoint of this step implies its state line.
         self._save_state(step, groups)
+        await self._choose_snapshot_layout()
         result: StepResult = await self.trainer.train_step(TrainBatch(step=step, samples=samples))
         train_s = result.metrics.get("step_time_s", 0.0)
 

@@ -142,6 +142,8 @@ class ReplicaClient:
         self._generate_url = f"{self.url}/inference/v1/generate"
         # Whether the replica loads disk snapshots directly (None: not asked yet; weights.py).
         self.snapshot_load: bool | None = None
+        # The layers it loads faster from a snapshot in its kernel layout (None: not asked yet).
+        self.kernel_layout: dict[str, list[str]] | None = None
         # Whether it has lockgate's pause route (replica_routes.py; None: not tried yet).
         self.pause_route: bool | None = None
 

@@ -167,15 +167,20 @@ async def _has_snapshot_load(replica: ReplicaClient) -> bool:
 
 async def kernel_layout(replica: ReplicaClient) -> dict[str, list[str]]:
     """The layers this replica would load faster from a snapshot in its kernel layout (each
-    packed parameter -> its checkpoint tensors); empty where it has no direct load."""
+    packed parameter -> its checkpoint tensors); empty where it has no direct load. Asked once
+    per replica (its model and launch flags do not change), so asking again costs nothing."""
+    if replica.kernel_layout is not None:
+        return replica.kernel_layout
     if not await _has_snapshot_load(replica):
+        replica.kernel_layout = {}
         return {}
     answer = await replica.call_admin("/collective_rpc", {"method": _LAYOUT_METHOD})
     results = answer.get("results") if isinstance(answer, dict) else None
     layouts = [r.get("transposed") if isinstance(r, dict) else None for r in results or []]
     if not layouts or any(not isinstance(lay, dict) or lay != layouts[0] for lay in layouts):
         raise ReplicaUnavailable(f"{replica.url}: no single layout from its workers: {results}")
-    return {str(k): [str(p) for p in v] for k, v in layouts[0].items()}
+    replica.kernel_layout = {str(k): [str(p) for p in v] for k, v in layouts[0].items()}
+    return replica.kernel_layout
 
 
 class NcclTransport(WeightTransport):

@@ -46,6 +46,8 @@ class FakeGateway:
         self.version = 0
         self.loads: list[int] = []
         self.sync_calls: list[str] = []
+        self.layout_calls = 0
+        self.layout = WeightsLayout(transposed={"l.qkv.weight": ["l.q.weight"]}, hf_because={})
         self._ids = itertools.count()
         self._sessions: dict[str, tuple[str, float | None]] = {}
         self._token_version: dict[str, int] = {}
@@ -88,10 +90,8 @@ class FakeGateway:
         return SessionSamples(session=self._info(sid), samples=[sample], splits=0)
 
     async def weights_layout(self) -> WeightsLayout:
-        self.sync_calls.append("layout")
-        return WeightsLayout(
-            transposed={"l.qkv.weight": ["l.q.weight", "l.k.weight"]}, hf_because={}
-        )
+        self.layout_calls += 1
+        return self.layout
 
     async def stage_weights(self, path: str, slice_s: float) -> StageReport:
         self.sync_calls.append(f"stage {Path(path).name}")
@@ -212,7 +212,7 @@ def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_pat
     loop, gateway = _loop(tmp_path, steps=4, eta=0, sync=SyncSection(stage=True))
     asyncio.run(loop.run())
     # Each sync has the replicas stage its snapshot while serving, then pauses and loads it.
-    calls = gateway.sync_calls[1:]  # after asking for the snapshot layout
+    calls = gateway.sync_calls
     syncs = [calls[i : i + 3] for i in range(0, len(calls), 3)]
     assert len(syncs) == 4
     assert all(s[0].startswith("stage ") and s[1:] == ["pause", "load" + s[0][5:]] for s in syncs)
@@ -222,19 +222,35 @@ def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_pat
         assert r["staleness/hist"] == {"0": r["batch/loss_tokens"]}
 
 
-def test_the_trainer_writes_snapshots_in_the_replicas_layout_from_the_first_step(
+def test_the_trainer_writes_each_snapshot_in_the_layout_the_replicas_ask_for_then(
     tmp_path: Path,
 ) -> None:
-    loop, gateway = _loop(tmp_path, steps=2, eta=1)
-    asyncio.run(loop.run())
-    assert gateway.sync_calls[0] == "layout"
+    loop, gateway = _loop(tmp_path, steps=3, eta=1)
+    first = gateway.layout
+    second = WeightsLayout(transposed={}, hf_because={"http://new-replica": "no direct load"})
+
+    async def run() -> None:
+        # A replica without the direct load joins after step 1 trained: HF from step 2 on.
+        trained = loop.trainer.train_step  # type: ignore[attr-defined]
+
+        async def train_step(batch: TrainBatch) -> StepResult:
+            result = await trained(batch)
+            gateway.layout = second
+            return result
+
+        loop.trainer.train_step = train_step  # type: ignore[method-assign]
+        await loop.run()
+
+    asyncio.run(run())
+    assert gateway.layout_calls == 3  # before every batch
     assert loop.trainer.layouts == [  # type: ignore[attr-defined]
-        (0, ExportLayout(transposed={"l.qkv.weight": ["l.q.weight", "l.k.weight"]}))
+        (0, ExportLayout(transposed=first.transposed)),  # told before step 1's batch
+        (1, ExportLayout()),  # and again only when it changed
     ]
     # snapshot_layout = "hf": the trainer is never told, so it writes HF layout.
     loop, gateway = _loop(tmp_path / "hf", steps=2, eta=1, sync=SyncSection(snapshot_layout="hf"))
     asyncio.run(loop.run())
-    assert "layout" not in gateway.sync_calls
+    assert gateway.layout_calls == 0
     assert loop.trainer.layouts == []  # type: ignore[attr-defined]
 
 

@@ -23,6 +23,7 @@ from test_snapshot_load import (
 )
 
 from lockgate.coordinator.cli import main as cli
+from lockgate.gateway import weights
 from lockgate.gateway.replica_client import ReplicaClient, ReplicaUnavailable
 from lockgate.gateway.replica_load import kernel_layout
 from lockgate.gateway.snapshot_file import open_snapshot
@@ -149,3 +150,17 @@ async def test_a_replica_that_cannot_load_it_directly_is_never_handed_it_through
             with pytest.raises(ReplicaUnavailable, match="kernel layout"):
                 await DiskTransport(DiskWeights(path=str(snapshot))).load(replica)
         assert "reload_weights" not in fake.methods
+
+
+async def test_the_gateway_asks_each_replica_for_its_layout_once() -> None:
+    for extension in (True, False):
+        fake = FakeReplica(extension)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fake.handler)) as http:
+            replica = ReplicaClient("http://replica", http)
+            answers = [await weights.kernel_layout(replica) for _ in range(3)]
+        if extension:
+            assert answers == [{"l.qkv_proj.weight": ["l.q_proj.weight", "l.k_proj.weight"]}] * 3
+            assert fake.methods == ["lockgate_snapshot_load_ready", "lockgate_snapshot_layout"]
+        else:
+            assert answers == [{}] * 3
+            assert fake.methods == ["lockgate_snapshot_load_ready"]

@@ -323,6 +323,9 @@ class FakeReplica:
             return httpx.Response(500, text="Internal Server Error")
         if method == "lockgate_snapshot_load_ready":
             return httpx.Response(200, json={"results": [{"ready": True}]})
+        if method == "lockgate_snapshot_layout":
+            layout = {"l.qkv_proj.weight": ["l.q_proj.weight", "l.k_proj.weight"]}
+            return httpx.Response(200, json={"results": [{"transposed": layout}]})
         if method == "lockgate_stage_snapshot":
             self.slices += 1
             done = self.slices == 3
