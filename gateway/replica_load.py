@@ -23,7 +23,7 @@ The kernel layout (`lockgate_snapshot_layout`): vLLM-CPU's oneDNN handle build r
 weight as `weight.t()`, so from a checkpoint's [out, in] rows it reorders a transposed,
 strided source (~3x a memcpy of the bytes). Asked which layers it packs so, the replica names
 them with their checkpoint tensors; a trainer that then stores each as one tensor, joined and
-transposed to [in, out] (snapshot_file.py), hands oneDNN a contiguous source instead (~1.4x).
+transposed to [in, out] (snapshot_file.py), hands oneDNN a contiguous source instead (~1.4-1.5x).
 
 Staging (`lockgate_stage_snapshot`, opt-in): the handle builds are nearly all of a load's
 time, and they need not wait for the pause. Staged in short slices between engine steps (each
