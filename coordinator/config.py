@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lockgate.coordinator.advantages import AdvantageEstimator
-from lockgate.gateway.config import SamplingPolicy
+from lockgate.gateway.config import RequestLimits, SamplingPolicy
 from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
 
@@ -45,6 +45,10 @@ class GatewaySection(BaseModel):
     sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
     max_pause_wait_s: float = Field(
         default=600.0, gt=0, description="A call held by a weight sync fails (503) after this."
+    )
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits,
+        description="Bounds on one agent request's size and work (docs/gateway-api.md).",
     )
 
 

@@ -215,6 +215,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             max_model_len=config.replicas.max_model_len,
             sampling=config.gateway.sampling,
             max_pause_wait_s=config.gateway.max_pause_wait_s,
+            limits=config.gateway.limits,
             partial_rollout=config.sync.partial_rollout,
         )
         gateway = GatewayProcess(gateway_config, run_dir, port=config.gateway.port)

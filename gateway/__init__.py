@@ -5,7 +5,7 @@ top level, and they stay where they are:
 
 - `lockgate.gateway.client`: `GatewayClient` (the typed admin client), `GatewayClientError`,
   and `AiohttpTransport`, the connection pool under it;
-- `lockgate.gateway.config`: `GatewayConfig`, `SamplingPolicy`;
+- `lockgate.gateway.config`: `GatewayConfig`, `SamplingPolicy`, `RequestLimits`;
 - `lockgate.gateway.schema`: the wire types (`CallRecord`, `PauseMode`, the OpenAI subset the
   gateway serves, the admin API's bodies and answers).
 

@@ -23,6 +23,41 @@ class SamplingPolicy(BaseModel):
     max_tokens: int = Field(default=512, ge=1, description="Budget when the agent sets none.")
 
 
+class RequestLimits(BaseModel):
+    """Bounds on what one request may make the gateway do, so that no agent's request (a
+    runaway tool output pasted into a message, a hostile body) can hold the event loop that
+    every other call shares. What is over a bound is refused in OpenAI's error shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_request_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body taken on the agent routes (and every route outside "
+        "/admin): a bigger one gets a 413 `request_too_large`, before it is read when its "
+        "Content-Length says so, and as soon as it passes the limit when sent chunked.",
+    )
+    max_admin_request_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="The same for /admin routes (a weight load's NCCL tensor list can be long).",
+    )
+    max_messages: int = Field(
+        default=4096,
+        ge=1,
+        description="Most messages a chat call may carry; the text parts of their contents and "
+        "their tool calls are bounded by the same number, in total (each costs validation "
+        "time before any check on its size can run).",
+    )
+    max_tools: int = Field(default=128, ge=0, description="Most tools a chat call may offer.")
+    max_prompt_chars_per_token: float = Field(
+        default=16.0,
+        gt=0,
+        description="A prompt with more characters than max_model_len times this is refused "
+        "(400 `context_length_exceeded`) before it is tokenized: real text averages 3 to 5 "
+        "characters a token, so one this long cannot fit and tokenizing it would be wasted.",
+    )
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_dir: Path = Field(description="HF model dir; its tokenizer renders and parses chats.")
@@ -35,6 +70,9 @@ class GatewayConfig(BaseModel):
     admin_token: str = Field(min_length=8, description="Bearer token for /admin endpoints.")
     max_model_len: int = Field(default=2048, ge=16, description="Replicas' context length.")
     sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits, description="Bounds on one request's size and work."
+    )
     max_pause_wait_s: float = Field(
         default=1800.0,
         gt=0,

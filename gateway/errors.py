@@ -49,6 +49,10 @@ def not_found(message: str) -> GatewayError:
     return GatewayError(404, message, type="not_found_error", code="not_found")
 
 
+def too_large(message: str) -> GatewayError:
+    return GatewayError(413, message, code="request_too_large")
+
+
 def conflict(message: str) -> GatewayError:
     return GatewayError(409, message, type="invalid_request_error", code="conflict")
 

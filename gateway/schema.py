@@ -100,7 +100,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's range; n > 1 is refused as unsupported
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
@@ -168,7 +168,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's range; n > 1 is refused as unsupported
     stream: bool = False
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)

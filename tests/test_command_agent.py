@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import textwrap
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -23,9 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from marked_processes import processes_with_marker
 from test_gateway_edges import FakeReplica
+from threaded_server import serve_in_thread
 
 from lockgate.agent_runtime import (
     CommandAgent,
@@ -74,23 +71,11 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         max_model_len=256,
     )
     app = create_app(config, http=upstream)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.02)
-    try:
-        yield Served(f"http://127.0.0.1:{port}", app, replica)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-        asyncio.run(upstream.aclose())
+    with serve_in_thread(app) as port:
+        try:
+            yield Served(f"http://127.0.0.1:{port}", app, replica)
+        finally:
+            asyncio.run(upstream.aclose())
 
 
 @pytest.fixture

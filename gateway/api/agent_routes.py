@@ -13,10 +13,10 @@ from starlette.responses import Response
 from lockgate.gateway.api.gateway import Gateway
 from lockgate.gateway.api.responses import json_response
 from lockgate.gateway.calls.bodies import parse_json, validate
-from lockgate.gateway.calls.completions import complete
-from lockgate.gateway.errors import GatewayError
+from lockgate.gateway.calls.completions import complete, read_request
+from lockgate.gateway.errors import too_large
 from lockgate.gateway.metrics import CONTENT_TYPE
-from lockgate.gateway.schema import CompletionRequest, SetMetadata, SetReward
+from lockgate.gateway.schema import SetMetadata, SetReward
 from lockgate.gateway.store.trajectories import SessionRow
 
 AgentHandler = Callable[[SessionRow, Request], Awaitable[Response]]
@@ -44,8 +44,7 @@ def agent_routes(gateway: Gateway) -> APIRouter:
         router.post(by_key)(route_by_key)
 
     async def completion(session: SessionRow, request: Request) -> Response:
-        raw = parse_json(await request.body())
-        req = validate(CompletionRequest, raw)
+        raw, req = read_request(await request.body(), gateway.config)
         return json_response(await complete(gateway.calls, session, raw, req))
 
     async def agent_reward(session: SessionRow, request: Request) -> Response:
@@ -57,7 +56,7 @@ def agent_routes(gateway: Gateway) -> APIRouter:
     async def agent_metadata(session: SessionRow, request: Request) -> Response:
         body = await request.body()
         if len(body) > _MAX_METADATA_BYTES:
-            raise GatewayError(413, f"metadata over {_MAX_METADATA_BYTES} bytes")
+            raise too_large(f"metadata over {_MAX_METADATA_BYTES} bytes")
         update = validate(SetMetadata, parse_json(body))
         await gateway.store.merge_metadata(session.id, update.metadata)
         return json_response({"session_id": session.id, "keys": sorted(update.metadata)})

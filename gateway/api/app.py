@@ -1,14 +1,15 @@
 """The gateway's HTTP app: the agent-facing OpenAI API and the admin API.
 
-`create_app` puts together the parts (`Gateway`, gateway.py), the chat routes answered ahead of
-FastAPI (chat_routes.py), errors in OpenAI's shape, and the route groups: agent routes and
-`/health` + `/metrics` (agent_routes.py), admin routes for sessions, sync and replicas
-(admin_routes.py).
+`create_app` puts together the parts (`Gateway`, gateway.py), the request body limit and the
+chat routes, both answered ahead of FastAPI (body_limit.py, chat_routes.py), errors in OpenAI's
+shape, and the route groups: agent routes and `/health` + `/metrics` (agent_routes.py), admin
+routes for sessions, sync and replicas (admin_routes.py).
 
-Request path of a chat call: identify the session -> validate -> apply the sampling policy ->
-render (bridging the previous call's exact tokens where possible) -> wait for the pause gate ->
-generate on a replica (failing over to another if one is unreachable) -> parse -> record
-durably -> answer (calls/pipeline.py, then chat.py).
+Request path of a chat call: a body within the size limit -> identify the session -> validate
+(the request's bounds first, calls/bounds.py) -> apply the sampling policy -> render (bridging
+the previous call's exact tokens where possible; a large prompt off the event loop) -> wait for
+the pause gate -> generate on a replica (failing over to another if one is unreachable) ->
+parse -> record durably -> answer (calls/pipeline.py, then chat.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.responses import Response
 
 from lockgate.gateway.api.admin_routes import pool_routes, session_routes, sync_routes
 from lockgate.gateway.api.agent_routes import agent_routes, service_routes
+from lockgate.gateway.api.body_limit import BodyLimit
 from lockgate.gateway.api.chat_routes import GatewayAPI
 from lockgate.gateway.api.gateway import Gateway
 from lockgate.gateway.api.responses import error_response, internal_error
@@ -47,6 +49,8 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     # Chat calls are answered before FastAPI's own machinery (chat_routes.py).
     app.answer_chat_calls(gateway)
+    # Outermost: a body over the limit is refused before any route reads it (body_limit.py).
+    app.put_in_front(lambda inner: BodyLimit(inner, config.limits, gateway.metrics.error))
     _answer_errors(app, gateway)
     for routes in (agent_routes, service_routes, session_routes, sync_routes, pool_routes):
         app.include_router(routes(gateway))

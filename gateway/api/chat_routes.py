@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -80,18 +81,23 @@ class ChatRoutes:
 
 
 class GatewayAPI(FastAPI):
-    """FastAPI whose chat routes are answered before any of its own machinery runs."""
+    """FastAPI with pure ASGI layers in front of all of its own machinery: the chat routes,
+    and whatever `put_in_front` adds around them."""
 
-    _chat_routes: ChatRoutes | None = None
+    _front: ASGIApp | None = None
 
     def answer_chat_calls(self, gateway: Gateway) -> None:
-        self._chat_routes = ChatRoutes(super().__call__, gateway)
+        self.put_in_front(lambda inner: ChatRoutes(inner, gateway))
+
+    def put_in_front(self, layer: Callable[[ASGIApp], ASGIApp]) -> None:
+        """Wrap what answers requests now (FastAPI itself at first) in `layer`."""
+        self._front = layer(self._front or super().__call__)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._chat_routes is None:
+        if self._front is None:
             await super().__call__(scope, receive, send)
         else:
-            await self._chat_routes(scope, receive, send)
+            await self._front(scope, receive, send)
 
 
 def _match(scope: Scope) -> tuple[str | None, str | None]:

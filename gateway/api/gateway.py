@@ -88,6 +88,7 @@ class Gateway:
     async def close(self) -> None:
         await self.loop_lag.stop()
         await self.pool.stop()
+        self.calls.close()
         if self._own_http:
             await self.http.aclose()
         if self._upstream is not None:

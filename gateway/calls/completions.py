@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from lockgate.gateway.calls.bodies import parse_json, validate
+from lockgate.gateway.calls.bounds import (
+    check_completion_body,
+    check_prompt_chars,
+    check_token_budget,
+)
 from lockgate.gateway.calls.pipeline import Call, CallPipeline
 from lockgate.gateway.calls.rendering import PreviousTurn, RenderedPrompt
 from lockgate.gateway.calls.stops import as_list, cut_at_stop
+from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import bad_request, conflict
 from lockgate.gateway.schema import (
     CompletionChoice,
@@ -21,6 +28,13 @@ from lockgate.gateway.schema import (
     Usage,
 )
 from lockgate.gateway.store.trajectories import SessionRow
+
+
+def read_request(body: bytes, config: GatewayConfig) -> tuple[dict[str, Any], CompletionRequest]:
+    """The body as sent and validated, its bounds checked first (bounds.py)."""
+    raw = parse_json(body)
+    check_completion_body(raw, config)
+    return raw, validate(CompletionRequest, raw)
 
 
 def _refuse_unsupported(req: CompletionRequest) -> None:
@@ -45,9 +59,14 @@ async def complete(
     if session.status != "open":
         raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
     _refuse_unsupported(req)
+    check_token_budget(req, pipeline.config.max_model_len)
     tokenizer = pipeline.renderer.tokenizer
     if isinstance(req.prompt, str):
-        prompt_ids = tokenizer.encode(req.prompt, add_special_tokens=False)
+        text = req.prompt
+        check_prompt_chars(len(text), pipeline.config, "prompt")
+        prompt_ids = await pipeline.off_loop_if_large(
+            len(text), lambda: tokenizer.encode(text, add_special_tokens=False)
+        )
     else:
         vocab = len(tokenizer)
         bad = next((t for t in req.prompt if not 0 <= t < vocab), None)

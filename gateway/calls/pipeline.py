@@ -1,8 +1,10 @@
 """A model call's pipeline, from the agent's request to its durable record.
 
-A chat call: the session must be open -> parse and validate the body -> refuse what is not
-supported -> render the messages (+ tools) to prompt ids, extending the previous call's exact
-tokens where the agent's history allows -> apply the run's sampling policy (and a tool-call
+A chat call: the session must be open -> parse the body, check its bounds, validate it ->
+refuse what is not supported -> refuse a prompt too long for the context by its characters ->
+render the messages (+ tools) to prompt ids, extending the previous call's exact tokens where
+the agent's history allows (a large prompt in a worker thread, so that no call holds the event
+loop; bounds.py says what each bound saves) -> apply the run's sampling policy (and a tool-call
 constraint) -> generate across segments on the replicas -> parse the sampled ids into the
 answer's message -> record the call durably. What goes back to the agent (JSON or an SSE
 stream) is the API's business (api/chat.py); `/v1/completions` goes through the same steps
@@ -14,12 +16,23 @@ call (what the renderer's bridge continues from).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lockgate.gateway.calls.bodies import parse_json, validate
+from lockgate.gateway.calls.bounds import (
+    OFF_LOOP_CHARS,
+    chat_prompt_chars,
+    check_chat_body,
+    check_chat_request,
+    check_prompt_chars,
+)
 from lockgate.gateway.calls.constraints import tool_call_constraint
 from lockgate.gateway.calls.rendering import (
     ChatRenderer,
@@ -36,6 +49,12 @@ from lockgate.gateway.replicas.pause import PauseGate
 from lockgate.gateway.replicas.pool import ReplicaPool
 from lockgate.gateway.schema import CallRecord, ChatCompletionRequest, CompletionRequest
 from lockgate.gateway.store.trajectories import SessionRow, TrajectoryStore
+
+T = TypeVar("T")
+
+# Renders of large prompts at once: more would only contend for the GIL with the event loop
+# (tokenizing releases it, the renderer's Python does not); the rest wait their turn.
+_RENDER_THREADS = 2
 
 
 @dataclass
@@ -81,6 +100,20 @@ class CallPipeline:
         # read from the store only on a session's first call since start, dropped when the
         # session finishes (so memory is bounded by open sessions, not by calls).
         self._last_turn: dict[str, tuple[int, PreviousTurn]] = {}
+        self._renders = ThreadPoolExecutor(_RENDER_THREADS, thread_name_prefix="lockgate-render")
+
+    def close(self) -> None:
+        """Stop the render threads (a render running finishes; none waiting starts)."""
+        self._renders.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop_if_large(self, chars: int, fn: Callable[[], T]) -> T:
+        """`fn()`, in a render thread if its input has more than `OFF_LOOP_CHARS` characters:
+        tokenizing costs about a microsecond a character (half a second for 500 kB), and the
+        event loop serves every other call meanwhile. Small ones stay here (a thread hop costs
+        more than they do)."""
+        if chars <= OFF_LOOP_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._renders, fn)
 
     def begin_session(self, session_id: str) -> None:
         """A session just created: its first call is call 0."""
@@ -94,11 +127,17 @@ class CallPipeline:
         if session.status != "open":
             raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
         raw = parse_json(body)
+        check_chat_body(raw, self.config.limits)
         req = validate(ChatCompletionRequest, raw)
         _refuse_unsupported(req)
+        check_chat_request(req, self.config.max_model_len)
+        chars = chat_prompt_chars(req, raw)
+        check_prompt_chars(chars, self.config, "messages")
 
         previous = await self.last_turn_of(session.id)
-        prompt = self.renderer.render_prompt(req.messages, req.tools, previous)
+        prompt = await self.off_loop_if_large(
+            chars, functools.partial(self.renderer.render_prompt, req.messages, req.tools, previous)
+        )
         room = self.config.max_model_len - len(prompt.prompt_ids)
         if room < 1:
             raise bad_request(

@@ -27,6 +27,11 @@ from transformers import PreTrainedTokenizerBase
 # number remembered is bounded so an agent's texts cannot grow the gateway's memory.
 _CACHED_TEXT_CHARS = 32
 _CACHE_ENTRIES = 4096
+# Longer texts are encoded through `encode_batch`, which gives the same ids but releases the
+# GIL while Rust works (`encode` holds it: 2 MB of text held every other thread, the event loop
+# included, for 2 s). So a render in a worker thread (pipeline.py) leaves the loop running.
+# It costs nothing more: a one-text batch takes what `encode` takes at every length measured.
+_GIL_FREE_CHARS = 1024
 
 
 class FastTokenizer:
@@ -47,6 +52,8 @@ class FastTokenizer:
         self._token_ids: dict[str, Any] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            return self._rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens or len(text) > _CACHED_TEXT_CHARS:
             return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._encoded.get(text)
