@@ -16,7 +16,8 @@ from lockgate.examples.deepresearch.data import (
     iter_corpus,
     load_questions,
 )
-from lockgate.examples.deepresearch.oracle import run_oracle, transcript_line
+from lockgate.examples.deepresearch.oracle import OracleRun, run_oracle, transcript_line
+from lockgate.examples.deepresearch.prepare import copy_drills, fresh_transcripts, write_transcripts
 from lockgate.examples.deepresearch.questions import TEMPLATES, generate_questions
 from lockgate.examples.deepresearch.retrieval.index import BM25Index, Hit
 from lockgate.examples.deepresearch.reward import (
@@ -176,3 +177,40 @@ def test_the_oracle_answers_through_search_and_writes_a_chat_transcript(tmp_path
     line = json.loads(transcript_line(two_hop))
     assert line["tools"][0]["function"]["name"] == "search"
     assert line["messages"][-1]["content"] == f"<answer>{two_hop.answer}</answer>"
+
+
+def test_sft_transcripts_come_from_fresh_worlds_apart_from_the_held_out_one(tmp_path: Path) -> None:
+    """Transcripts over fresh worlds: subjects hardly repeat, none is a held-out name, and the
+    validation worlds (another seed) share no transcript with the training ones."""
+    train = fresh_transcripts(120, seed=0)
+    val = fresh_transcripts(30, seed=99)
+    assert len(train) == 120 and len(val) == 30
+    subjects = [_subject(run) for run in train]
+    assert len(set(subjects)) >= 0.95 * len(subjects)
+    assert all(name_split(s) == "train" for s in subjects)
+    assert not {r.messages[1]["content"] for r in train} & {r.messages[1]["content"] for r in val}
+    assert fresh_transcripts(10, seed=0)[5].messages == train[5].messages  # seeded
+    for run in train[:20]:  # every answer was read off a search result
+        assert run.answer is not None
+        assert run.answer in "".join(m["content"] for m in run.messages if m["role"] == "tool")
+    write_transcripts(tmp_path / "sft.jsonl", train)
+    assert len((tmp_path / "sft.jsonl").read_text().splitlines()) == 120
+
+
+def _subject(run: OracleRun) -> str:
+    return json.loads(run.messages[2]["tool_calls"][0]["function"]["arguments"])["query"]
+
+
+def test_copy_drills_ask_to_repeat_fresh_names_and_answer_them_exactly() -> None:
+    drills = copy_drills(50, seed=0)
+    assert len(drills) == 50 and drills == copy_drills(50, seed=0)
+    names: list[str] = []
+    for line in drills:
+        user, assistant = line["messages"]
+        assert user["content"] == f"Repeat: {assistant['content']}"
+        listed = assistant["content"].split(", ")
+        assert len(listed) == 12 and len(set(listed)) == 12
+        names += listed
+    assert all(name_split(n) == "train" for n in names)  # never a held-out name
+    assert len(set(names)) >= 0.95 * len(names)  # fresh names, hardly any twice
+    assert copy_drills(5, seed=999) != drills[:5]  # another seed, other worlds

@@ -21,7 +21,7 @@ import pytest
 from marked_processes import processes_with_marker
 
 from lockgate.examples.deepresearch.data import KBSpec, build_cpu_kb
-from lockgate.examples.deepresearch.prepare import write_transcripts
+from lockgate.examples.deepresearch.prepare import fresh_transcripts, write_transcripts
 from lockgate.examples.deepresearch.world import WorldSizes
 
 pytestmark = pytest.mark.vllm
@@ -53,7 +53,7 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
     marker = f"LOCKGATE_TEST_RUN={uuid.uuid4().hex}"
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     kb = build_cpu_kb(tmp_path / "kb", SMALL)
-    assert write_transcripts(kb, tmp_path / "sft.jsonl", count=40) >= 30
+    write_transcripts(tmp_path / "sft.jsonl", fresh_transcripts(40, seed=0))
 
     _lockgate(
         "sft", str(CONFIGS / "sft_cpu.yaml"),

@@ -44,7 +44,7 @@ def build_cpu_kb(out_dir: Path, spec: KBSpec | None = None) -> Path:
     train = generate_world(spec.seed, "train", spec.train_world, used)
     heldout = generate_world(spec.seed, "heldout", spec.heldout_world, used)
     docs = [*train.documents("t"), *heldout.documents("h")]
-    _write_jsonl(out_dir / CORPUS, docs)
+    write_jsonl(out_dir / CORPUS, docs)
     for path, world, count, prefix in (
         (out_dir / TRAIN, train, spec.train_questions, "train-"),
         (out_dir / HELDOUT, heldout, spec.heldout_questions, "heldout-"),
@@ -52,12 +52,13 @@ def build_cpu_kb(out_dir: Path, spec: KBSpec | None = None) -> Path:
         questions = generate_questions(
             world, count, seed=spec.seed, two_hop_share=spec.two_hop_share, id_prefix=prefix
         )
-        _write_jsonl(path, [q.model_dump(mode="json") for q in questions])
+        write_jsonl(path, [q.model_dump(mode="json") for q in questions])
     manifest.write_text(json.dumps(spec.model_dump(mode="json"), indent=2))
     return out_dir
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Rows as JSON lines, written whole or not at all."""
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
         for row in rows:

@@ -24,6 +24,9 @@ SHAPE = {
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
     "head_dim": 32,
+    # Qwen3's 1e6 leaves a 32-wide head only a few rotary pairs that turn within a transcript;
+    # copying a name needs a sharp previous-token head, which 1e4 makes easy to learn.
+    "rope_theta": 10_000.0,
 }
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The DeepResearch CPU recipe, end to end on a 2-core machine with no GPU and no download:
-#   1. the knowledge base, the ~3.4M-parameter model and the SFT transcripts (prepare.py);
-#   2. supervised warm start with `lockgate sft` (one epoch, then two more in smaller batches);
+#   1. the knowledge base, the ~3.5M-parameter model and the SFT transcripts over fresh worlds
+#      (prepare.py);
+#   2. supervised warm start with `lockgate sft`: copy drills (the model learns to copy a name),
+#      then one pass over the oracle's transcripts (it learns to search, read and answer);
 #   3. held-out evaluation of the SFT model, with the oracle and no-search baselines;
 #   4. fully-async GRPO through the gateway with `lockgate train` (validation every 10 steps);
 #   5. held-out evaluation of the RL model, the report's plots, and the before -> after lines.
@@ -10,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SEED=${SEED:-0}
-DATA=runs/deepresearch/data
+DATA=runs/deepresearch/data/seed$SEED
 RUN=${RUN:-runs/deepresearch/seed$SEED}
 PY=.venv/bin/python
 LG=.venv/bin/lockgate
@@ -21,18 +23,17 @@ bash scripts/setup.sh
 mkdir -p "$RUN"
 started=$(date +%s)
 say "1/5 knowledge base, model and SFT transcripts in $DATA"
-eval "$($PY -m $MOD.prepare --out "$DATA")"  # sets model=, kb=, sft_train=
+eval "$($PY -m $MOD.prepare --out "$DATA" --transcript-seed "$SEED")"  # sets model=, kb=, ...
 
-say "2/5 supervised warm start (lockgate sft, 3 epochs in 3 stages) -> $RUN/sft*"
-sft() {  # CONFIG OUT FROM_MODEL STAGE_SEED
+say "2/5 supervised warm start (lockgate sft: copy drills, then transcripts) -> $RUN/drill, $RUN/sft"
+sft() {  # CONFIG DATA_NAME FROM_MODEL OUT
   $LG sft "examples/deepresearch/configs/$1" --set "model.path=$3" \
-    --set "data.path=$(pwd)/$DATA/sft_train.jsonl" --set "data.val_path=$(pwd)/$DATA/sft_val.jsonl" \
-    --set "out_dir=$(pwd)/$RUN/$2" --set "trainer.seed=$4"
+    --set "data.path=$(pwd)/$DATA/$2_train.jsonl" --set "data.val_path=$(pwd)/$DATA/$2_val.jsonl" \
+    --set "out_dir=$(pwd)/$RUN/$4" --set "trainer.seed=$SEED"
 }
-sft sft_cpu.yaml sft "$model" "$SEED"
-sft sft_cpu_continue.yaml sft2 "$(pwd)/$RUN/sft/final" "$((SEED * 10 + 1))"
-sft sft_cpu_continue.yaml sft3 "$(pwd)/$RUN/sft2/final" "$((SEED * 10 + 2))"
-SFT_MODEL="$RUN/sft3/final"
+sft drill_cpu.yaml drill "$model" drill
+sft sft_cpu.yaml sft "$(pwd)/$RUN/drill/final" sft
+SFT_MODEL="$RUN/sft/final"
 
 say "3/5 held-out evaluation of the SFT model (T=1, greedy, oracle, no search)"
 $PY -m $MOD.evaluate run --model "$SFT_MODEL" --kb-dir "$kb" --out "$RUN/eval_sft.json" \
