@@ -19,8 +19,9 @@ def assign_to_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Group sample indices into micro-batches of at most `token_budget` tokens in total.
 
-    Micro-batches are packed (`model.forward_logits` concatenates their samples into one row),
-    so what counts is the sum of the lengths, not count x longest. First-fit over the samples
+    Micro-batches are not padded (`model.forward_logits` packs their samples into one row on
+    CUDA, runs them one at a time on CPU), so what counts is the sum of the lengths, not count x
+    longest. First-fit over the samples
     from the longest down fills the micro-batches tightly. A sample longer than the budget gets
     a micro-batch of its own rather than being truncated.
     """
