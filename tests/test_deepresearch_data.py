@@ -31,6 +31,7 @@ from lockgate.examples.deepresearch.world import WorldSizes, generate_world, nam
 
 SMALL = KBSpec(
     train_world=WorldSizes(people=60, organisations=12, cities=10, countries=4),
+    train_worlds=1,
     heldout_world=WorldSizes(people=30, organisations=8, cities=6, countries=3),
     train_questions=80,
     heldout_questions=40,
@@ -131,6 +132,24 @@ def test_the_knowledge_base_files_and_loaders(tmp_path: Path) -> None:
     mtime = (kb / "corpus.jsonl").stat().st_mtime_ns
     build_cpu_kb(tmp_path / "kb", SMALL)  # same spec: kept, not rewritten
     assert (kb / "corpus.jsonl").stat().st_mtime_ns == mtime
+
+
+def test_the_training_split_spans_many_small_worlds_with_distinct_names(tmp_path: Path) -> None:
+    spec = SMALL.model_copy(update={"train_worlds": 4, "train_questions": 40})
+    kb = build_cpu_kb(tmp_path / "kb", spec)
+    docs = list(iter_corpus(kb / "corpus.jsonl"))
+    assert len(docs) == 4 * (60 + 12 + 10 + 4) + 30 + 8 + 6 + 3
+    assert len({d["id"] for d in docs}) == len(docs)
+    titles = [d["contents"].split("\n", 1)[0] for d in docs]
+    assert len(set(titles)) == len(titles)  # no name means two things across worlds
+    train = load_questions(kb / "train.jsonl")
+    assert len(train) == 40
+    # Interleaved: any 4 consecutive questions come from the 4 worlds, one each.
+    assert {q.id.rsplit("-", 1)[0] for q in train[:4]} == {"train", "train-1", "train-2", "train-3"}
+    # World 0 is the one-world knowledge base's world.
+    one = build_cpu_kb(tmp_path / "one", SMALL)
+    first_world = {d["contents"] for d in iter_corpus(one / "corpus.jsonl")}
+    assert {d["contents"] for d in docs[: 60 + 12 + 10 + 4]} <= first_world
 
 
 def test_real_data_loaders_read_nq_and_hotpotqa_lines(tmp_path: Path) -> None:

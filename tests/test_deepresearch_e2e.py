@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples/deepresearch/configs"
 SMALL = KBSpec(
     train_world=WorldSizes(people=40, organisations=8, cities=8, countries=3),
+    train_worlds=1,
     heldout_world=WorldSizes(people=20, organisations=6, cities=5, countries=2),
     train_questions=60,
     heldout_questions=8,

@@ -35,7 +35,11 @@ def test_the_gpu_config_is_the_cpu_recipe_on_cuda_with_the_peers_numbers() -> No
 def test_the_gpu_recipe_trains_two_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
     kb = build_cpu_kb(
         tmp_path / "kb",
-        KBSpec(train_world=WorldSizes(people=40), heldout_world=WorldSizes(people=20)),
+        KBSpec(
+            train_world=WorldSizes(people=40),
+            train_worlds=1,
+            heldout_world=WorldSizes(people=20),
+        ),
     )
     run_dir = tmp_path / "run"
     result = subprocess.run(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from lockgate.examples.deepresearch.questions import Question, generate_questions
 from lockgate.examples.deepresearch.world import WorldSizes, generate_world
@@ -24,8 +24,18 @@ CORPUS, TRAIN, HELDOUT, MANIFEST = "corpus.jsonl", "train.jsonl", "heldout.jsonl
 
 
 class KBSpec(BaseModel):
+    """The CPU knowledge base: `train_worlds` small worlds for training, one held-out world.
+
+    Many small training worlds rather than one big one: RL on one world of 3,000 people raised
+    the training reward on its 1-hop questions from 0.44 to 0.61 in 16 steps while held-out
+    1-hop success fell (0.29 -> 0.26 at T=1), i.e. it learnt that world's names and facts (200
+    cities, each the answer of many questions) instead of reading. With 100 worlds of 60
+    people, a run of a few hundred questions rarely meets an entity twice.
+    """
+
     seed: int = 0
-    train_world: WorldSizes = WorldSizes(people=3000, organisations=400, cities=200, countries=30)
+    train_world: WorldSizes = WorldSizes(people=60, organisations=15, cities=12, countries=4)
+    train_worlds: int = Field(default=100, ge=1)
     heldout_world: WorldSizes = WorldSizes(people=300, organisations=60, cities=40, countries=8)
     train_questions: int = 6000
     heldout_questions: int = 200
@@ -41,20 +51,43 @@ def build_cpu_kb(out_dir: Path, spec: KBSpec | None = None) -> Path:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     used: set[str] = set()
-    train = generate_world(spec.seed, "train", spec.train_world, used)
+    # World k's seed; world 0 keeps the KB's seed, so a one-world spec builds what it always did.
+    trains = [
+        generate_world(spec.seed + k * 100_003, "train", spec.train_world, used)
+        for k in range(spec.train_worlds)
+    ]
     heldout = generate_world(spec.seed, "heldout", spec.heldout_world, used)
-    docs = [*train.documents("t"), *heldout.documents("h")]
-    write_jsonl(out_dir / CORPUS, docs)
-    for path, world, count, prefix in (
-        (out_dir / TRAIN, train, spec.train_questions, "train-"),
-        (out_dir / HELDOUT, heldout, spec.heldout_questions, "heldout-"),
-    ):
-        questions = generate_questions(
-            world, count, seed=spec.seed, two_hop_share=spec.two_hop_share, id_prefix=prefix
+    docs = [d for k, w in enumerate(trains) for d in w.documents(f"t{k}-" if k else "t")]
+    write_jsonl(out_dir / CORPUS, [*docs, *heldout.documents("h")])
+    per_world = _split_evenly(spec.train_questions, spec.train_worlds)
+    train_questions = [
+        q.model_dump(mode="json")
+        for k, (world, count) in enumerate(zip(trains, per_world, strict=True))
+        for q in generate_questions(
+            world,
+            count,
+            seed=spec.seed + k,
+            two_hop_share=spec.two_hop_share,
+            id_prefix=f"train-{k}-" if k else "train-",
         )
-        write_jsonl(path, [q.model_dump(mode="json") for q in questions])
+    ]
+    # Interleaved, so that the first N questions (`num_train`) span many worlds.
+    train_questions.sort(key=lambda q: int(str(q["id"]).rsplit("-", 1)[1]))
+    write_jsonl(out_dir / TRAIN, train_questions)
+    heldout_questions = generate_questions(
+        heldout,
+        spec.heldout_questions,
+        seed=spec.seed,
+        two_hop_share=spec.two_hop_share,
+        id_prefix="heldout-",
+    )
+    write_jsonl(out_dir / HELDOUT, [q.model_dump(mode="json") for q in heldout_questions])
     manifest.write_text(json.dumps(spec.model_dump(mode="json"), indent=2))
     return out_dir
+
+
+def _split_evenly(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if k < total % parts else 0) for k in range(parts)]
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

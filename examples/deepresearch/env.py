@@ -8,6 +8,8 @@ Config (`environment.args`, all optional):
   child process, stopped with the run).
 - `num_train`, `num_val`: how many questions to use (val = held-out questions, validated greedily
   every `loop.val_every` steps).
+- `train_hops`: train only on questions of these hop counts (e.g. `[1]`, a curriculum); held-out
+  validation keeps every question.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).
 """
 
@@ -62,6 +64,7 @@ class DeepResearchEnvironment:
         retrieval_url: str | None = None,
         num_train: int | None = None,
         num_val: int | None = None,
+        train_hops: Sequence[int] | None = None,
         agent: dict[str, Any] | None = None,
         log_dir: Path | None = None,
     ) -> None:
@@ -70,7 +73,10 @@ class DeepResearchEnvironment:
         elif not (corpus and train_questions and heldout_questions):
             kb = build_cpu_kb(default_cache_dir() / "deepresearch-kb")
         self.corpus = Path(corpus) if corpus else kb / CORPUS
-        self._train = load_questions(Path(train_questions or kb / TRAIN), num_train)
+        train = load_questions(Path(train_questions or kb / TRAIN))
+        if train_hops is not None:
+            train = [q for q in train if q.hops in set(train_hops)]
+        self._train = train[:num_train]
         self._val = load_questions(Path(heldout_questions or kb / HELDOUT), num_val)
         self.agent_config = AgentConfig.model_validate(agent or {})
         if retrieval_url is not None:
