@@ -206,13 +206,22 @@ async def test_the_session_key_works_on_plain_v1_and_cannot_reach_another_sessio
             "invalid API key",
         ),
         ("/admin/sessions", {"task_id": "t"}, {"Authorization": "Bearer nope"}, 401, "admin"),
+        ("/admin/sessions", {"task_id": "t"}, {}, 401, "admin"),
+        # A token with non-ASCII characters is compared, not crashed on.
+        (
+            "/admin/sessions",
+            {"task_id": "t"},
+            {"Authorization": "Bearer t\u00f6ken".encode()},
+            401,
+            "admin",
+        ),
     ],
 )
 async def test_unknown_sessions_and_wrong_keys_are_refused(
     harness: Harness,
     path: str,
     body: dict[str, Any],
-    headers: dict[str, str],
+    headers: dict[str, str | bytes],
     status: int,
     needle: str,
 ) -> None:

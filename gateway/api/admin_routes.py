@@ -3,6 +3,8 @@ replicas. What each route takes and answers is in docs/gateway-api.md."""
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -22,8 +24,14 @@ from lockgate.gateway.schema import (
 )
 
 
+def is_admin_token(gateway: Gateway, token: str | None) -> bool:
+    """Constant-time comparison: how long a wrong token takes says nothing about the right one."""
+    expected = gateway.config.admin_token.encode()
+    return token is not None and hmac.compare_digest(token.encode(), expected)
+
+
 def require_admin(gateway: Gateway, request: Request) -> None:
-    if bearer(request.headers.get("authorization")) != gateway.config.admin_token:
+    if not is_admin_token(gateway, bearer(request.headers.get("authorization"))):
         raise unauthorized("admin endpoints need 'Authorization: Bearer <admin token>'")
 
 
