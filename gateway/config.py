@@ -56,6 +56,25 @@ class RequestLimits(BaseModel):
         "(400 `context_length_exceeded`) before it is tokenized: real text averages 3 to 5 "
         "characters a token, so one this long cannot fit and tokenizing it would be wasted.",
     )
+    max_calls_in_flight_per_session: int = Field(
+        default=64,
+        ge=0,
+        description="Most generation calls one session may have in flight at once; one more "
+        "gets a 429 `rate_limit_exceeded` (0: no bound). Keeps one runaway agent from taking "
+        "every replica slot.",
+    )
+    max_calls_per_minute_per_session: float = Field(
+        default=0.0,
+        ge=0,
+        description="New generation calls per session per minute, a token bucket refilled at "
+        "this rate (0: no bound); over it a call gets a 429 saying when to retry.",
+    )
+    calls_burst_per_session: int = Field(
+        default=60,
+        ge=1,
+        description="The bucket's size: calls a session may start at once before the per-minute "
+        "rate applies.",
+    )
 
 
 class GatewayConfig(BaseModel):

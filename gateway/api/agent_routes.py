@@ -44,8 +44,12 @@ def agent_routes(gateway: Gateway) -> APIRouter:
         router.post(by_key)(route_by_key)
 
     async def completion(session: SessionRow, request: Request) -> Response:
-        raw, req = read_request(await request.body(), gateway.config)
-        return json_response(await complete(gateway.calls, session, raw, req))
+        release = gateway.admission.admit(session.id)
+        try:
+            raw, req = read_request(await request.body(), gateway.config)
+            return json_response(await complete(gateway.calls, session, raw, req))
+        finally:
+            release()
 
     async def agent_reward(session: SessionRow, request: Request) -> Response:
         # An agent in another process (any language) reports its own reward here.

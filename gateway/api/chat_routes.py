@@ -50,34 +50,43 @@ class ChatRoutes:
             return
         started = time.perf_counter()
         status = 500
+        release = _nothing
         try:
             body = await _body(receive)
             if body is None:
                 return  # the client left before its request arrived: nobody to answer
-            response = await self._answer(session_id, _header(scope, b"authorization"), body)
+            response, release = await self._answer(
+                session_id, _header(scope, b"authorization"), body
+            )
             status = response.status_code
             if isinstance(response, StreamingResponse):
                 await _stream(response, receive, send)
             else:
                 await response(scope, receive, send)
         finally:
+            release()  # the session's in-flight slot, held until the last chunk went out
             self.gateway.metrics.answered(route, status, time.perf_counter() - started)
 
-    async def _answer(self, session_id: str | None, auth: str | None, body: bytes) -> Response:
+    async def _answer(
+        self, session_id: str | None, auth: str | None, body: bytes
+    ) -> tuple[Response, Callable[[], None]]:
         gateway = self.gateway
+        release = _nothing
         try:
             session: SessionRow = (
                 gateway.session_by_key(auth)
                 if session_id is None
                 else gateway.session_by_path(session_id, auth)
             )
-            return await gateway.chat.answer(session, body)
+            release = gateway.admission.admit(session.id)
+            return await gateway.chat.answer(session, body), release
         except GatewayError as exc:
             error = exc
         except Exception as exc:
             error = internal_error(exc)
+        release()
         gateway.metrics.error(error)
-        return error_response(error)
+        return error_response(error), _nothing
 
 
 class GatewayAPI(FastAPI):
@@ -98,6 +107,10 @@ class GatewayAPI(FastAPI):
             await super().__call__(scope, receive, send)
         else:
             await self._front(scope, receive, send)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _match(scope: Scope) -> tuple[str | None, str | None]:

@@ -15,6 +15,7 @@ import httpx
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.api.chat import ChatAnswers
 from lockgate.gateway.api.loop_lag import LoopLagMonitor
+from lockgate.gateway.api.session_admission import SessionAdmission
 from lockgate.gateway.calls.pipeline import CallPipeline
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.calls.samples import merge_calls
@@ -68,6 +69,12 @@ class Gateway:
             config, self.store, self.renderer, self.gate, self.pool, self.metrics
         )
         self.chat = ChatAnswers(self.calls, self.metrics)
+        limits = config.limits
+        self.admission = SessionAdmission(
+            max_in_flight=limits.max_calls_in_flight_per_session,
+            per_minute=limits.max_calls_per_minute_per_session,
+            burst=limits.calls_burst_per_session,
+        )
 
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
@@ -140,6 +147,7 @@ class Gateway:
         row.status = body.status
         self.pool.forget_session(session_id)
         self.calls.end_session(session_id)
+        self.admission.forget(session_id)
 
     def require(self, session_id: str) -> SessionRow:
         row = self._sessions.get(session_id)
