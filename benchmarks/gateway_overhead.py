@@ -14,6 +14,10 @@ Method (see benchmarks/README.md for figures):
   upstream; "gateway" sends a one-message chat completion (`stream` false or true) on a session
   per connection. Latency is request sent -> last byte received; added latency is the
   gateway's p50 (p99) minus the direct p50 (p99). Each point is the median of `--repeats` runs.
+- `--viewer-feed on` keeps the trajectory viewer's live feed open during the gateway runs: a
+  thread of this process polls `/ui/api/changes` every second, and `/ui/api/overview` and the
+  sessions list every fifth, as an open browser tab does (gateway/viewer/static/viewer.js);
+  `both` runs each point with the feed off and on, alternating run by run, and prints both.
 - `--soak N` instead drives N calls through the gateway in windows (fresh sessions per window,
   the previous ones finished) and prints each window's latency and the gateway's RSS and store
   size, to show both stay flat as the store grows.
@@ -29,6 +33,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -181,6 +186,64 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
             terminate(proc)
 
 
+class ViewerFeed:
+    """What an open viewer tab asks the gateway while it trains (viewer.js's poll loop)."""
+
+    def __init__(self, port: int, poll_s: float = 1.0) -> None:
+        self._client = httpx.Client(
+            base_url=f"http://{HOST}:{port}",
+            headers={"Authorization": f"Bearer {ADMIN}"},
+            timeout=30.0,
+        )
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.latencies: list[float] = []
+        self.errors = 0
+
+    def _get(self, path: str, **params: object) -> httpx.Response | None:
+        t = time.perf_counter()
+        try:
+            r = self._client.get(path, params=params)
+            r.raise_for_status()
+        except httpx.HTTPError:
+            self.errors += 1
+            return None
+        self.latencies.append(time.perf_counter() - t)
+        return r
+
+    def _run(self) -> None:
+        r = self._get("/ui/api/overview")
+        cursor = r.json()["cursor"] if r is not None else "0_0_0.0"
+        polls = 0
+        while not self._stop.wait(self._poll_s):
+            r = self._get("/ui/api/changes", cursor=cursor)
+            if r is not None:
+                cursor = r.json()["cursor"]
+            polls += 1
+            if polls % 5 == 0:  # the header's counts, and a look at the list
+                self._get("/ui/api/overview")
+                self._get("/ui/api/sessions")
+
+    def __enter__(self) -> ViewerFeed:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._client.close()
+
+
+@contextmanager
+def _maybe_feed(on: bool, port: int) -> Iterator[ViewerFeed | None]:
+    if not on:
+        yield None
+        return
+    with ViewerFeed(port) as feed:
+        yield feed
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds the process has used (/proc/PID/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -225,14 +288,17 @@ class Point:
 
 async def overhead(args: argparse.Namespace, r: Rig) -> None:
     sessions = await r.sessions(max(args.concurrency))
+    feeds = {"off": [False], "on": [True], "both": [False, True]}[args.viewer_feed]
     print(
-        "| mode | c | direct req/s | gateway req/s | direct p50 ms | gateway p50 ms "
+        "| mode | c | viewer feed | direct req/s | gateway req/s | direct p50 ms | gateway p50 ms "
         "| added p50 ms | added p99 ms | gateway CPU ms/req | CPU-bound req/s | errors |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for stream in (mode == "stream" for mode in args.modes):
         for c in args.concurrency:
-            direct, through = [], []
+            direct: list[Point] = []
+            through: dict[bool, list[Point]] = {f: [] for f in feeds}
+            feed_ms: list[float] = []
             for _ in range(args.repeats):
                 res = await run_load(
                     HOST,
@@ -243,24 +309,39 @@ async def overhead(args: argparse.Namespace, r: Rig) -> None:
                     warmup_s=args.warmup,
                 )
                 direct.append(Point.of(res))
-                cpu_before = _cpu_s(r.gateway_pid)
-                res = await run_load(
-                    HOST,
-                    r.gateway_port,
-                    lambda i, s=stream: r.chat_request(sessions[i], s),
-                    concurrency=c,
-                    duration_s=args.duration,
-                    warmup_s=args.warmup,
+                for on in feeds:  # with both: off then on, run by run
+                    with _maybe_feed(on, r.gateway_port) as feed:
+                        cpu_before = _cpu_s(r.gateway_pid)
+                        res = await run_load(
+                            HOST,
+                            r.gateway_port,
+                            lambda i, s=stream: r.chat_request(sessions[i], s),
+                            concurrency=c,
+                            duration_s=args.duration,
+                            warmup_s=args.warmup,
+                        )
+                        cpu = _cpu_s(r.gateway_pid) - cpu_before
+                    if feed is not None:
+                        feed_ms += [x * 1e3 for x in feed.latencies]
+                        res.errors += feed.errors
+                    through[on].append(Point.of(res, cpu))
+            d = Point.median(direct)
+            for on in feeds:
+                g = Point.median(through[on])
+                print(
+                    f"| {'stream' if stream else 'json'} | {c} | {'on' if on else 'off'} "
+                    f"| {d.rps:.0f} | {g.rps:.0f} "
+                    f"| {d.p50_ms:.2f} | {g.p50_ms:.2f} | {g.p50_ms - d.p50_ms:+.2f} "
+                    f"| {g.p99_ms - d.p99_ms:+.2f} | {g.cpu_ms:.2f} | {1e3 / g.cpu_ms:.0f} "
+                    f"| {d.errors + g.errors} |",
+                    flush=True,
                 )
-                through.append(Point.of(res, _cpu_s(r.gateway_pid) - cpu_before))
-            d, g = Point.median(direct), Point.median(through)
-            print(
-                f"| {'stream' if stream else 'json'} | {c} | {d.rps:.0f} | {g.rps:.0f} "
-                f"| {d.p50_ms:.2f} | {g.p50_ms:.2f} | {g.p50_ms - d.p50_ms:+.2f} "
-                f"| {g.p99_ms - d.p99_ms:+.2f} | {g.cpu_ms:.2f} | {1e3 / g.cpu_ms:.0f} "
-                f"| {d.errors + g.errors} |",
-                flush=True,
-            )
+            if feed_ms:
+                print(
+                    f"|  |  | feed: {len(feed_ms)} viewer requests, p50 "
+                    f"{percentile(feed_ms, 0.5):.1f} ms, max {max(feed_ms):.1f} ms |",
+                    flush=True,
+                )
 
 
 async def soak(args: argparse.Namespace, r: Rig) -> None:
@@ -310,6 +391,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per point (median taken)")
+    parser.add_argument(
+        "--viewer-feed",
+        choices=["off", "on", "both"],
+        default="off",
+        help="keep the viewer's live feed polling the gateway during its runs (both: compare)",
+    )
     parser.add_argument("--soak", type=int, default=0, help="instead: drive this many calls")
     parser.add_argument("--soak-window", type=int, default=5000)
     parser.add_argument("--soak-concurrency", type=int, default=16)

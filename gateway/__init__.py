@@ -16,7 +16,10 @@ room. `python -m lockgate.gateway` runs the app (`__main__.py`).
 The rooms, each a sub-package whose door says what it holds; each imports the foundation, its
 own modules and only the rooms listed after it:
 
-- `api/`: the HTTP app, its routes, the answers (JSON, SSE): calls, sync, replicas, store
+- `api/`: the HTTP app, its routes, the answers (JSON, SSE): calls, sync, replicas, store,
+  viewer
+- `viewer/`: the trajectory viewer and run dashboard (`/ui/`), reading the store's file on
+  its own read-only connections: nothing more
 - `calls/`: one call from request to durable record, no HTTP: replicas, store
 - `sync/`: weight sync, the gateway's side, and the transports: replicas
 - `store/`: the SQLite trajectory store: nothing more

@@ -54,7 +54,16 @@ RULES: dict[str, list[str]] = {
     f"{G}.replicas": [*FOUNDATION, f"{G}.vllm_ext.routes"],
     f"{G}.sync": [*FOUNDATION, f"{G}.replicas", f"{G}.vllm_ext.snapshot_header"],
     f"{G}.calls": [*FOUNDATION, f"{G}.replicas", f"{G}.store"],
-    f"{G}.api": [*FOUNDATION, f"{G}.calls", f"{G}.replicas", f"{G}.store", f"{G}.sync"],
+    f"{G}.api": [
+        *FOUNDATION,
+        f"{G}.calls",
+        f"{G}.replicas",
+        f"{G}.store",
+        f"{G}.sync",
+        f"{G}.viewer",
+    ],
+    # The trajectory viewer reads the store's file with its own SQL: the foundation only.
+    f"{G}.viewer": FOUNDATION,
     # Loaded into vLLM's own processes: nothing of the gateway process's.
     f"{G}.vllm_ext": [],
 }

@@ -3,7 +3,8 @@
 `create_app` puts together the parts (`Gateway`, gateway.py), the request body limit and the
 chat routes, both answered ahead of FastAPI (body_limit.py, chat_routes.py), errors in OpenAI's
 shape, and the route groups: agent routes and `/health` + `/metrics` (agent_routes.py), admin
-routes for sessions, sync and replicas (admin_routes.py).
+routes for sessions, sync and replicas (admin_routes.py), and the trajectory viewer and run
+dashboard under `/ui/` (admin-only; viewer/routes.py), which reads the store on its own threads.
 
 Request path of a chat call: a body within the size limit -> identify the session -> validate
 (the request's bounds first, calls/bounds.py) -> apply the sampling policy -> render (bridging
@@ -31,10 +32,22 @@ from lockgate.gateway.api.responses import error_response, internal_error
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import GatewayError, bad_request
 from lockgate.gateway.metrics import MetricsMiddleware
+from lockgate.gateway.viewer.routes import Viewer, ViewerSource, viewer_routes
 
 
 def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> FastAPI:
     gateway = Gateway(config, http)
+    # The run dir holds the store and metrics.jsonl side by side (coordinator/launch.py).
+    viewer = Viewer(
+        ViewerSource(
+            db_path=config.db_path,
+            admin_token=config.admin_token,
+            metrics_path=config.db_path.parent / "metrics.jsonl",
+            model_dir=config.model_dir,
+            status=gateway.status,
+            title=f"lockgate gateway: {config.model_name}",
+        )
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +55,7 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
         try:
             yield
         finally:
+            viewer.close()
             await gateway.close()
 
     app = GatewayAPI(title="lockgate gateway", lifespan=lifespan)
@@ -54,6 +68,7 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     _answer_errors(app, gateway)
     for routes in (agent_routes, service_routes, session_routes, sync_routes, pool_routes):
         app.include_router(routes(gateway))
+    app.include_router(viewer_routes(viewer))
     return app
 
 
