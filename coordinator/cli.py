@@ -9,32 +9,21 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import ValidationError
-
+from lockgate.coordinator.cli_errors import config_error as _config_error
+from lockgate.coordinator.cli_errors import error as _error
 from lockgate.coordinator.config import describe_options, load_config, read_config_file
+from lockgate.coordinator.deploy_checks import DeployError
+from lockgate.coordinator.deploy_commands import (
+    DEPLOY_COMMANDS,
+    add_deploy_parsers,
+    overrides_with_env,
+    run_deploy_command,
+)
+from lockgate.coordinator.gateway_process import GatewayStartError
+from lockgate.coordinator.replica_launcher import ReplicaStartError
+from lockgate.coordinator.view_command import add_view_parser, run_view
 from lockgate.trainer.protocol import write_atomic
 from lockgate.trainer.sft_config import SFTConfig
-
-
-def _error(message: str, code: int = 2) -> int:
-    print(f"lockgate: {message}", file=sys.stderr)
-    return code
-
-
-def _validation_message(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"config error: {where}: {first['msg']}{more}"
-
-
-def _config_error(path: Path, exc: ValueError | OSError) -> int:
-    """The one-line message (exit 2) for a config file that did not load."""
-    if isinstance(exc, FileNotFoundError):
-        return _error(f"config file not found: {exc.filename}")
-    if isinstance(exc, ValidationError):
-        return _error(_validation_message(exc))
-    return _error(f"{path}: {exc}")
 
 
 def _add_overrides(parser: argparse.ArgumentParser, example: str) -> None:
@@ -57,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run a training job on this machine (replicas, gateway, trainer, loop)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start local vLLM replicas, the gateway and trainer ranks, and train.",
-        epilog="config options (YAML/TOML sections; override any with --set):\n"
-        + "\n".join(describe_options()),
+        epilog="config options (YAML/TOML sections; then LOCKGATE_<SECTION>__<FIELD> environment "
+        "variables; override any with --set):\n" + "\n".join(describe_options()),
     )
     train.add_argument(
         "config", type=Path, nargs="?", help="run config file (.yaml, .yml or .toml)"
@@ -73,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_overrides(train, "loop.steps=5")
     train.add_argument("--run-dir", type=Path, help="override run_dir")
     _add_sft_parser(sub)
+    add_deploy_parsers(sub)
+    add_view_parser(sub)
     sub.add_parser(
         "build-model", help="build (or find cached) the tiny offline test model; print its path"
     )
@@ -275,6 +266,8 @@ def _sft(path: Path, overrides: list[str], out: Path | None, *, resume: bool) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in DEPLOY_COMMANDS:
+        return run_deploy_command(args)
     if args.command == "export-hf":
         return _export_hf(args.snapshot, args.out)
     if args.command == "build-model":
@@ -284,13 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args.run_dirs, args.out)
+    if args.command == "view":
+        return run_view(args)
     if args.command == "sft":
         return _sft(args.config, args.set, args.out, resume=args.resume)
     if (args.config is None) == (args.resume is None):
         return _error("train takes a CONFIG file or --resume RUN_DIR (exactly one)")
     config_path = args.config if args.resume is None else args.resume / "config.json"
     try:
-        config = load_config(config_path, args.set)
+        config = load_config(config_path, overrides_with_env(args.set))
     except (ValueError, OSError) as exc:
         return _config_error(config_path, exc)
     if args.resume is not None:
@@ -304,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(config, resume=args.resume is not None)
     except KeyboardInterrupt:
         return _error("interrupted; all processes stopped")
+    except DeployError as exc:  # bad deploy input, found before anything started
+        return _error(str(exc))
+    except (ReplicaStartError, GatewayStartError) as exc:
+        return _error(str(exc), 1)
     first, last = summary.first_last()
     print(
         f"done: {summary.steps} steps in {summary.elapsed_s:.0f}s, weights version {summary.version}\n"

@@ -1,23 +1,37 @@
 """The run's configuration: one typed tree, loaded from YAML or TOML, overridable from the CLI.
 
 Importing this module loads no torch or vLLM. Layering: field defaults < the config file <
-`--set section.field=value` flags. Derived values (the trainer's full config, the gateway's) are
-computed in one explicit step by `launch.py`, never by validators that mutate the config.
+`LOCKGATE_<SECTION>__<FIELD>` environment variables < `--set section.field=value` flags.
+Derived values (the trainer's full config, the gateway's) are computed in one explicit step
+(`launch.py`, `part_configs.py`), never by validators that mutate the config.
 """
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lockgate.coordinator.advantages import AdvantageEstimator
 from lockgate.gateway.config import RequestLimits, SamplingPolicy
 from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
+
+ADMIN_TOKEN_ENV = "LOCKGATE_ADMIN_TOKEN"
+# `LOCKGATE_<SECTION>__<FIELD>` (nesting by `__`) sets `section.field`, between the file and --set.
+ENV_PREFIX = "LOCKGATE_"
+
+
+def service_url(url: str) -> str:
+    """An http(s) base URL of a service (a replica, a gateway), without a trailing slash."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("http", "https") or not rest.strip("/"):
+        raise ValueError(f"'{url}' is not an http(s) URL like http://host:port")
+    return url.rstrip("/")
 
 
 class ModelSection(BaseModel):
@@ -32,16 +46,66 @@ class ReplicasSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     count: int = Field(default=2, ge=1, description="Local vLLM replicas to start.")
     urls: list[str] = Field(
-        default_factory=list, description="Use these running replicas instead of starting any."
+        default_factory=list,
+        description="Replicas already running elsewhere (e.g. `lockgate replicas`): used instead "
+        "of starting any. `replicas: [URL, ...]` is short for this.",
+    )
+    host: str = Field(
+        default="127.0.0.1", description="Address local replicas listen on (0.0.0.0: all)."
+    )
+    base_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Local replica i listens on base_port + i; unset: free ports.",
     )
     kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per replica.")
     max_model_len: int = Field(default=1024, ge=64, description="Context length of the replicas.")
-    startup_timeout_s: float = Field(default=300.0, gt=0, description="Wait for /health this long.")
+    startup_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Wait for /health this long: of the replicas started here, or of those at "
+        "`urls` (a URL that never answers is an error naming it).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _urls_shorthand(cls, data: Any) -> Any:
+        return {"urls": data} if isinstance(data, list) else data
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        return [service_url(url) for url in urls]
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> ReplicasSection:
+        if self.base_port is not None and self.base_port + self.count - 1 > 65535:
+            raise ValueError("base_port + count - 1 exceeds 65535")
+        return self
 
 
 class GatewaySection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    port: int = Field(default=0, ge=0, description="Gateway port (0 picks a free one).")
+    url: str | None = Field(
+        default=None,
+        description="A gateway already running elsewhere (e.g. `lockgate gateway`): `train` uses "
+        "it and its replicas instead of starting any. `gateway: URL` is short for this.",
+    )
+    admin_token_env: str = Field(
+        default=ADMIN_TOKEN_ENV,
+        min_length=1,
+        description="Environment variable holding the admin token: needed with `url`; a gateway "
+        "started here takes it when set, else a fresh random one.",
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address a gateway started here listens on (0.0.0.0: all interfaces).",
+    )
+    port: int = Field(default=0, ge=0, le=65535, description="Gateway port (0 picks a free one).")
+    startup_timeout_s: float = Field(
+        default=60.0, gt=0, description="Wait this long for the gateway (started here or at `url`)."
+    )
     sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)
     max_pause_wait_s: float = Field(
         default=600.0, gt=0, description="A call held by a weight sync fails (503) after this."
@@ -50,6 +114,16 @@ class GatewaySection(BaseModel):
         default_factory=RequestLimits,
         description="Bounds on one agent request's size and work (docs/gateway-api.md).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_shorthand(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        return None if url is None else service_url(url)
 
 
 class SyncSection(BaseModel):
@@ -262,16 +336,19 @@ class RunConfig(BaseModel):
     metrics: MetricsSection = Field(default_factory=MetricsSection)
 
 
-def read_config_file(path: Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """A YAML or TOML file as a mapping, with `a.b=value` overrides (values parsed as YAML)
-    applied; not yet validated. Shared by every command that takes a config file."""
-    text = path.read_text()
-    raw: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of sections")
-    for item in overrides or []:
+def env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """`--set` items from `LOCKGATE_<SECTION>__<FIELD>=value` variables (`__` nests: a name
+    without one, like LOCKGATE_CACHE, is not an option), in a fixed order."""
+    items = []
+    for name, value in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            items.append(f"{name[len(ENV_PREFIX) :].lower().replace('__', '.')}={value}")
+    return items
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `a.b=value` item (the value parsed as YAML) in `raw`, in place; returns it."""
+    for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set takes section.field=value, got '{item}'")
@@ -285,14 +362,29 @@ def read_config_file(path: Path, overrides: list[str] | None = None) -> dict[str
     return raw
 
 
-def load_config(path: Path, overrides: list[str] | None = None) -> RunConfig:
+def read_config_file(path: Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A YAML or TOML file as a mapping, with `a.b=value` overrides (values parsed as YAML)
+    applied; not yet validated. Shared by every command that takes a config file."""
+    text = path.read_text()
+    raw: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections")
+    return apply_overrides(raw, overrides or [])
+
+
+def load_config(path: Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML or TOML file, apply `a.b=value` overrides (values parsed as YAML), validate.
 
-    Relative paths inside the file are taken relative to the file's directory.
+    Relative paths inside the file are taken relative to the file's directory; without a file
+    (the defaults and the overrides alone), relative to the working directory.
     """
-    raw = read_config_file(path, overrides)
+    if path is None:
+        raw, base = apply_overrides({}, overrides or []), Path.cwd()
+    else:
+        raw, base = read_config_file(path, overrides), path.parent
     config = RunConfig.model_validate(raw)
-    base = path.parent
     env = config.environment
     if env.path is not None and not env.path.is_absolute():
         env.path = (base / env.path).resolve()

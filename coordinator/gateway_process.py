@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from lockgate.coordinator.processes import free_port, log_tail, spawn, terminate
+from lockgate.coordinator.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.config import GatewayConfig
 
 
@@ -19,15 +19,26 @@ class GatewayStartError(RuntimeError):
 
 class GatewayProcess:
     def __init__(
-        self, config: GatewayConfig, run_dir: Path, port: int = 0, name: str = "gateway"
+        self,
+        config: GatewayConfig,
+        run_dir: Path,
+        port: int = 0,
+        name: str = "gateway",
+        host: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.name = name  # names its config and log files: a run may have two gateways
+        self.host = host
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{client_host(host)}:{self.port}"
         self.log_path = run_dir / "logs" / f"{name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The gateway's process while started."""
+        return self._proc
 
     def start(self, timeout_s: float = 60.0) -> None:
         config_path = self.run_dir / f"{self.name}_config.json"
@@ -39,6 +50,8 @@ class GatewayProcess:
                 "lockgate.gateway",
                 "--config",
                 str(config_path),
+                "--host",
+                self.host,
                 "--port",
                 str(self.port),
             ],

@@ -12,7 +12,6 @@ import gc
 import importlib.util
 import inspect
 import logging
-import secrets
 import signal
 import sys
 from pathlib import Path
@@ -21,12 +20,20 @@ from types import FrameType
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
+from lockgate.coordinator.deploy_checks import ExternalGateway, check_run_parts
 from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
 from lockgate.coordinator.metric_sinks import MetricSink, check_sinks, open_sinks
 from lockgate.coordinator.metrics import MetricsLog, read_metrics
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.part_configs import (
+    admin_token_of,
+    gateway_config_of,
+    new_admin_token,
+    replica_launch_config_of,
+    run_dir_of,
+)
+from lockgate.coordinator.replica_launcher import LocalReplicaSet
 from lockgate.coordinator.trainer_process import TrainerProcess
 from lockgate.coordinator.validation import val_tasks_of
 from lockgate.gateway.client import GatewayClient
@@ -123,20 +130,42 @@ def _replica_urls(
     urls = config.replicas.urls
     if not urls:
         _say(f"starting {config.replicas.count} vLLM replica(s) (logs in {run_dir / 'logs'})")
-        replicas = LocalReplicaSet(
-            ReplicaLaunchConfig(
-                model_dir=model_dir,
-                count=config.replicas.count,
-                kv_cache_gib=config.replicas.kv_cache_gib,
-                max_model_len=config.replicas.max_model_len,
-                startup_timeout_s=config.replicas.startup_timeout_s,
-                log_dir=run_dir / "logs",
-            )
-        )
+        replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, run_dir / "logs"))
         stack.callback(replicas.stop)
         replicas.start()
         urls = replicas.urls
+    else:
+        _say(f"using {len(urls)} running replica(s): {', '.join(urls)}")
     return urls
+
+
+def _gateway(
+    config: RunConfig,
+    external: ExternalGateway | None,
+    model_dir: Path,
+    run_dir: Path,
+    stack: contextlib.ExitStack,
+) -> tuple[str, str, GatewayConfig]:
+    """The gateway's URL and admin token, and the config of a gateway like it (validation's
+    starts from it): the one at `gateway.url`, or one started now on the run's replicas."""
+    if external is not None:
+        _say(
+            f"using the gateway at {external.url} and its replicas: {', '.join(external.replica_urls)}"
+        )
+        like = gateway_config_of(
+            config, model_dir, external.replica_urls, run_dir, external.admin_token
+        )
+        return external.url, external.admin_token, like
+    urls = _replica_urls(config, model_dir, run_dir, stack)
+    admin_token = admin_token_of(config.gateway) or new_admin_token()
+    gateway_config = gateway_config_of(config, model_dir, urls, run_dir, admin_token)
+    gateway = GatewayProcess(
+        gateway_config, run_dir, port=config.gateway.port, host=config.gateway.host
+    )
+    stack.callback(gateway.stop)
+    gateway.start(config.gateway.startup_timeout_s)
+    _say(f"gateway serving at {gateway.url}")
+    return gateway.url, admin_token, gateway_config
 
 
 async def _run_loop(
@@ -183,7 +212,10 @@ async def _run_loop(
 
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     """Run `config`; with `resume`, continue the run in its run dir from its newest checkpoint."""
-    run_dir = (config.run_dir or Path("runs") / config.name).resolve()
+    # Bad deploy input (model dir, ports, the replicas or gateway given by URL) fails here,
+    # before anything starts.
+    external = check_run_parts(config, resume=resume)
+    run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -200,30 +232,15 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             "resume": resume or config.trainer.resume,
         }
     )
-    admin_token = secrets.token_urlsafe(24)
 
     with contextlib.ExitStack() as stack:
         close_env = getattr(env, "close", None)
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
-        urls = _replica_urls(config, model_dir, run_dir, stack)
-        gateway_config = GatewayConfig(
-            model_dir=model_dir,
-            replicas=urls,
-            db_path=run_dir / "trajectories.sqlite",
-            admin_token=admin_token,
-            max_model_len=config.replicas.max_model_len,
-            sampling=config.gateway.sampling,
-            max_pause_wait_s=config.gateway.max_pause_wait_s,
-            limits=config.gateway.limits,
-            partial_rollout=config.sync.partial_rollout,
+        gateway_url, admin_token, gateway_config = _gateway(
+            config, external, model_dir, run_dir, stack
         )
-        gateway = GatewayProcess(gateway_config, run_dir, port=config.gateway.port)
-        stack.callback(gateway.stop)
-        gateway.start()
-        _say(
-            f"gateway serving at {gateway.url}; starting {trainer_config.world_size} trainer rank(s)"
-        )
+        _say(f"starting {trainer_config.world_size} trainer rank(s)")
         trainer = TrainerProcess(
             trainer_config, run_dir / "trainer", log_path=run_dir / "logs" / "trainer.log"
         )
@@ -260,11 +277,15 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 run_dir,
                 sinks,
                 admin_token,
-                gateway.url,
+                gateway_url,
                 validation,
                 state,
                 rewards,
             )
         )
-        _say("run finished; stopping trainer, gateway and replicas")
+        _say(
+            "run finished; stopping the trainer (the external gateway and its replicas go on)"
+            if external is not None
+            else "run finished; stopping trainer, gateway and replicas"
+        )
     return summary

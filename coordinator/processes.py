@@ -93,6 +93,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def client_host(host: str) -> str:
+    """The host a client connects to for a server bound to `host` (a wildcard is not one)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     try:
         text = path.read_text(errors="replace")

