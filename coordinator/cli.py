@@ -1,4 +1,5 @@
-"""The `lockgate` command line: `train`, `sft`, `report`, `export-hf`, `build-model`."""
+"""The `lockgate` command line: `train`, `sft`, `report`, `view`, `export-hf`, `build-model`, and
+the parts as services: `replicas`, `gateway`, `serve`, `session new` (deploy_commands.py)."""
 
 from __future__ import annotations
 
