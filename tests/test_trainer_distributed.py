@@ -15,11 +15,15 @@ from lockgate.trainer.batch import TrainBatch, TrainSample
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.logprobs import logprobs_from_dir
 
+# One CPU rank runs a micro-batch's samples one at a time by default, several ranks pack them
+# (trainer/model.py): both sides pack here, so only the sharding differs.
+PACKED = {"micro_batch_packing": "packed"}
+
 
 async def test_two_ranks_train_exactly_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     batches = [synthetic_batch(1), synthetic_batch(2)]
-    one = await train(tiny_model_dir, tmp_path / "ws1", 1, batches)
-    two = await train(tiny_model_dir, tmp_path / "ws2", 2, batches)
+    one = await train(tiny_model_dir, tmp_path / "ws1", 1, batches, **PACKED)
+    two = await train(tiny_model_dir, tmp_path / "ws2", 2, batches, **PACKED)
     a, b = weights(one[-1]), weights(two[-1])
     start = load_file(str(tiny_model_dir / "model.safetensors"))
     worst = max_diff(a, b)
@@ -27,6 +31,22 @@ async def test_two_ranks_train_exactly_like_one(tiny_model_dir: Path, tmp_path: 
     print(f"\nws1 vs ws2 max weight difference {worst:.2e}; moved from init by {moved:.2e}")
     assert worst < 1e-5
     assert moved > 1e-4  # the step really changed the weights
+
+
+async def test_one_sample_at_a_time_trains_like_packing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    batches = [synthetic_batch(1), synthetic_batch(2)]
+    packed = await train(tiny_model_dir, tmp_path / "packed", 1, batches, **PACKED)
+    alone = await train(
+        tiny_model_dir, tmp_path / "alone", 1, batches, micro_batch_packing="per_sample"
+    )
+    worst = max_diff(weights(packed[-1]), weights(alone[-1]))
+    moved = max_diff(weights(packed[-1]), load_file(str(tiny_model_dir / "model.safetensors")))
+    print(f"\npacked vs one at a time {worst:.2e}; moved from init by {moved:.2e}")
+    # The same sums in another order: float rounding only, far below the update's size.
+    assert worst < 5e-5
+    assert moved > 1e-4
 
 
 async def test_snapshot_is_an_hf_model_whose_logprobs_changed(
@@ -84,6 +104,7 @@ async def test_every_objective_option_trains_the_same_on_two_ranks_as_on_one(
         "warmup_steps": 1,
         "decay_steps": 3,
         "loss_agg": "seq-mean-token-sum",
+        **PACKED,
     }
     batches = [near_policy_batch(tiny_model_dir, k) for k in (1, 2)]
     one = await train(tiny_model_dir, tmp_path / "ws1", 1, batches, **options)

@@ -17,6 +17,7 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 PpoMode = Literal["bypass", "decoupled"]
 TisLevel = Literal["none", "token", "sequence"]
 LrSchedule = Literal["constant", "linear", "cosine"]
+Packing = Literal["auto", "packed", "per_sample"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -114,6 +115,15 @@ class TrainerConfig(BaseModel):
         description="Tokens packed into one forward pass (no padding); a step accumulates "
         "gradients over as many as its samples need.",
     )
+    micro_batch_packing: Packing = Field(
+        default="auto",
+        description=(
+            "How a micro-batch's samples run: packed into one row (one forward pass; needed with "
+            "several ranks, whose collectives must stay in step) or per_sample, one pass each "
+            "(on CPU, where attention over a packed row costs the square of its length). auto: "
+            "per_sample on a single CPU rank, else packed."
+        ),
+    )
     activation_checkpointing: bool = Field(
         default=False,
         description=(
@@ -150,6 +160,11 @@ class TrainerConfig(BaseModel):
                 f"tis_level={self.tis_level!r} needs ppo_mode='decoupled': in bypass mode the old "
                 "policy is the rollout policy, so there is no behaviour weight to truncate (the "
                 "PPO ratio pi_theta / pi_rollout already carries the mismatch)"
+            )
+        if self.micro_batch_packing == "per_sample" and self.world_size > 1:
+            raise ValueError(
+                "micro_batch_packing='per_sample' needs world_size 1: sharded ranks hold different "
+                "numbers of samples, and one forward pass each keeps their collectives in step"
             )
         if self.lr_schedule == "constant" and self.decay_steps is not None:
             raise ValueError("decay_steps only applies to lr_schedule 'linear' or 'cosine'")

@@ -1,14 +1,15 @@
 """Loading the policy and running it on micro-batches without padding.
 
-The loss code works on right-padded [B, T] tensors; the forward pass does not pad. On CUDA a
-micro-batch's samples are concatenated into one row with positions restarting at 0 per sample,
-from which transformers builds a block-diagonal causal mask (no sample attends to another): one
-forward pass per micro-batch. On CPU each sample runs alone instead: SDPA's CPU kernel is only
-fast for a plain causal mask, and with an explicit block mask attention costs the square of the
-micro-batch's tokens, not the sum of its samples' squares. Measured on the DeepResearch model
-(3.5M parameters, 48 samples of ~600 tokens, forward + backward on one thread): 35 s packed
-4,096 tokens per micro-batch, 20 s padded batches of 6, 13 s one sample at a time. Either way
-the logits are laid back out as [B, T, V].
+The loss code works on right-padded [B, T] tensors; the forward pass does not pad. On CUDA, and
+with several ranks, a micro-batch's samples are concatenated into one row with positions
+restarting at 0 per sample, from which transformers builds a block-diagonal causal mask (no
+sample attends to another): one forward pass per micro-batch. On one CPU rank each sample runs
+alone instead: SDPA's CPU kernel is only fast for a plain causal mask, and with an explicit
+block mask attention costs the square of the micro-batch's tokens, not the sum of its samples'
+squares. Measured on the DeepResearch model (3.5M parameters, 48 samples of ~600 tokens,
+forward + backward on one thread): 35 s packed 4,096 tokens per micro-batch, 20 s padded
+batches of 6, 13 s one sample at a time. `micro_batch_packing` in the trainer's config picks
+either way. Either way the logits are laid back out as [B, T, V].
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ def forward_logits(
 ) -> torch.Tensor:
     """Logits [B, T, V] of a right-padded batch, computed unpadded; padding positions are 0.
 
-    `pack` (default: on CUDA only) runs the samples as one packed row, else one at a time.
+    `pack` (default: on CUDA, or with several ranks) runs the samples as one packed row, else
+    one at a time. Sharded over several ranks, each forward pass all-gathers the parameters, and
+    the ranks' micro-batches hold different numbers of samples: one packed pass per micro-batch
+    keeps every rank's collectives in step.
     """
     device = input_ids.device
     rows = [input_ids[i, :n] for i, n in enumerate(lengths)]
-    if not (device.type == "cuda" if pack is None else pack):
+    if pack is None:
+        pack = device.type == "cuda" or _ranks() > 1
+    if not pack:
         per_sample = [model(input_ids=row[None, :]).logits[0] for row in rows]
         return _pad_to(pad_sequence(per_sample, batch_first=True), input_ids.shape[1])
     packed = torch.cat(rows)[None, :]
@@ -66,6 +72,11 @@ def forward_logits(
     return _pad_to(
         pad_sequence(list(torch.split(logits, list(lengths))), batch_first=True), input_ids.shape[1]
     )
+
+
+def _ranks() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _pad_to(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lockgate.trainer.config import Device
+from lockgate.trainer.config import Device, Packing
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Distributed:
     world_size: int
     device: torch.device
     mesh: DeviceMesh
+    # Run a micro-batch as one packed row (else one sample at a time): model.forward_logits.
+    pack: bool = True
 
     @property
     def is_main(self) -> bool:
@@ -50,7 +52,7 @@ def resolve_device(device: Device, local_rank: int, local_world_size: int) -> st
     return device
 
 
-def init_distributed(device: Device = "auto") -> Distributed:
+def init_distributed(device: Device = "auto", packing: Packing = "auto") -> Distributed:
     """Join the process group torchrun describes (a world of one when run without torchrun)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
@@ -66,7 +68,9 @@ def init_distributed(device: Device = "auto") -> Distributed:
         where, backend, mesh_type = torch.device("cpu"), "gloo", "cpu"
     dist.init_process_group(backend)
     mesh = init_device_mesh(mesh_type, (dist.get_world_size(),))
-    return Distributed(dist.get_rank(), dist.get_world_size(), where, mesh)
+    size = dist.get_world_size()
+    pack = packing == "packed" or (packing == "auto" and (where.type == "cuda" or size > 1))
+    return Distributed(dist.get_rank(), size, where, mesh, pack)
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -58,14 +58,15 @@ def _weighted_logprob_sum(
     examples: Sequence[Example],
     idx: list[int],
     weights: list[float],
-    device: torch.device,
+    world: Distributed,
 ) -> torch.Tensor:
     """sum over the micro-batch's trained tokens of weight(sample) * log p(token)."""
+    device = world.device
     ids = pad_batch([examples[i].input_ids for i in idx], torch.long, device)
     mask = pad_batch([examples[i].loss_mask for i in idx], torch.float32, device)
     w = torch.tensor(weights, dtype=torch.float32, device=device)[:, None]
     lengths = [len(examples[i].input_ids) for i in idx]
-    logprobs = token_logprobs(forward_logits(policy, ids, lengths), ids)
+    logprobs = token_logprobs(forward_logits(policy, ids, lengths, pack=world.pack), ids)
     return (logprobs * mask * w).sum()
 
 
@@ -92,7 +93,7 @@ def sft_step(
         nonlocal loss
         idx = mb if mb is not None else filler
         w = [weights[i] if mb is not None else 0.0 for i in idx]
-        part = -_weighted_logprob_sum(policy, examples, idx, w, world.device)
+        part = -_weighted_logprob_sum(policy, examples, idx, w, world)
         loss += part.detach().double().cpu()
         return part
 
@@ -124,7 +125,7 @@ def eval_loss(
     for mb in rank_micro_batches(indices, lengths, config.micro_batch_tokens, world):
         idx = mb if mb is not None else filler
         w = [1.0 if mb is not None else 0.0] * len(idx)
-        totals[0] -= _weighted_logprob_sum(policy, examples, idx, w, world.device).double().cpu()
+        totals[0] -= _weighted_logprob_sum(policy, examples, idx, w, world).double().cpu()
         totals[1] += sum(sum(examples[i].loss_mask) for i in mb or [])
     dist.all_reduce(totals)
     return float(totals[0] / totals[1].clamp_min(1.0))
@@ -193,7 +194,7 @@ def _plan(config: SFTConfig, examples: Sequence[Example]) -> list[StepPlan]:
 def train(config: SFTConfig, *, resume: bool) -> None:
     layout = config.layout
     trainer = config.trainer.to_trainer_config(config.model_dir)
-    world = init_distributed(trainer.device)
+    world = init_distributed(trainer.device, trainer.micro_batch_packing)
     torch.set_num_threads(trainer.num_threads)
     torch.manual_seed(trainer.seed)
     examples = read_examples(layout.train_data)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from lockgate.trainer.config import Device, LrSchedule, TrainerConfig
+from lockgate.trainer.config import Device, LrSchedule, Packing, TrainerConfig
 
 BatchUnit = Literal["conversations", "tokens"]
 Overlong = Literal["truncate", "drop"]
@@ -117,6 +117,7 @@ class SFTTrainerSection(BaseModel):
     decay_steps: int | None = _shared("decay_steps")
     min_lr_ratio: float = _shared("min_lr_ratio")
     micro_batch_tokens: int = _shared("micro_batch_tokens")
+    micro_batch_packing: Packing = _shared("micro_batch_packing")
     activation_checkpointing: bool = _shared("activation_checkpointing")
     checkpoint_every: int = _shared("checkpoint_every")
     keep_checkpoints: int = _shared("keep_checkpoints")

@@ -130,7 +130,8 @@ def _decoupled(
         for mb in rank_micro_batches(mini, lengths, config.micro_batch_tokens, world):
             idx = mb if mb is not None else [filler_sample(mini, lengths)]
             ids = pad_batch([samples[i].input_ids for i in idx], torch.long, world.device)
-            lp = token_logprobs(forward_logits(policy, ids, [lengths[i] for i in idx]), ids).cpu()
+            lens = [lengths[i] for i in idx]
+            lp = token_logprobs(forward_logits(policy, ids, lens, pack=world.pack), ids).cpu()
             if mb is not None:
                 for row, i in enumerate(idx):
                     cached[i] = lp[row, : lengths[i]].tolist()
@@ -144,12 +145,12 @@ def _decoupled(
 
 
 def _reference_logprobs(
-    reference: torch.nn.Module | None, ids: torch.Tensor, lengths: list[int]
+    reference: torch.nn.Module | None, ids: torch.Tensor, lengths: list[int], *, pack: bool
 ) -> torch.Tensor | None:
     if reference is None:
         return None
     with torch.no_grad():
-        return token_logprobs(forward_logits(reference, ids, lengths), ids)
+        return token_logprobs(forward_logits(reference, ids, lengths, pack=pack), ids)
 
 
 def _entropy(logits: torch.Tensor, *, bonus: bool) -> torch.Tensor:
@@ -305,7 +306,7 @@ def _update(
         w = [weights[i] if mb is not None else 0.0 for i in idx]
         ids, mask, old, adv, wt = _tensors([samples[i] for i in idx], w, world.device)
         lens = [lengths[i] for i in idx]
-        logits = forward_logits(policy, ids, lens)
+        logits = forward_logits(policy, ids, lens, pack=world.pack)
         logprobs = token_logprobs(logits, ids)
         terms = policy_loss(
             LossInputs(
@@ -317,7 +318,7 @@ def _update(
                 # A filler has zero weight and may hold another rank's sample: the rollout
                 # logprobs stand in for its proximal ones (weight 1, same ratio as bypass).
                 proximal_logprobs=proximal(update, idx, logprobs) if mb is not None else old,
-                reference_logprobs=_reference_logprobs(reference, ids, lens),
+                reference_logprobs=_reference_logprobs(reference, ids, lens, pack=world.pack),
                 entropy=_entropy(logits, bonus=spec.entropy_coef > 0),
             ),
             spec,
