@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from threaded_server import serve_in_thread
 
 from lockgate.examples.deepresearch.agent import AgentConfig
 from lockgate.examples.deepresearch.data import (
@@ -16,10 +17,18 @@ from lockgate.examples.deepresearch.data import (
     iter_corpus,
     load_questions,
 )
+from lockgate.examples.deepresearch.env import DeepResearchEnvironment
+from lockgate.examples.deepresearch.fresh_worlds import (
+    FRESH_WORLD,
+    WORLD_SEED,
+    WorldRetrievals,
+    fresh_world_tasks,
+)
 from lockgate.examples.deepresearch.oracle import OracleRun, run_oracle, transcript_line
 from lockgate.examples.deepresearch.prepare import copy_drills, fresh_transcripts, write_transcripts
 from lockgate.examples.deepresearch.questions import TEMPLATES, generate_questions
 from lockgate.examples.deepresearch.retrieval.index import BM25Index, Hit
+from lockgate.examples.deepresearch.retrieval.server import create_app
 from lockgate.examples.deepresearch.reward import (
     exact_match,
     extract_answer,
@@ -233,3 +242,49 @@ def test_copy_drills_ask_to_repeat_fresh_names_and_answer_them_exactly() -> None
     assert all(name_split(n) == "train" for n in names)  # never a held-out name
     assert len(set(names)) >= 0.95 * len(names)  # fresh names, hardly any twice
     assert copy_drills(5, seed=999) != drills[:5]  # another seed, other worlds
+
+
+async def test_fresh_world_tasks_are_answered_by_searching_their_own_world_only() -> None:
+    tasks = fresh_world_tasks(12, seed=0)
+    seeds = [t.data[WORLD_SEED] for t in tasks]
+    assert len(tasks) == 12 and len(set(seeds)) == 2  # six questions a world
+    assert len({t.id for t in tasks}) == 12
+    assert fresh_world_tasks(12, seed=1)[0].data[WORLD_SEED] not in seeds  # seeds pick worlds
+    worlds = WorldRetrievals(keep=1)
+    try:
+        answered = 0
+        for task in tasks:
+            retrieval = await worlds.get(task.data[WORLD_SEED])
+            seed = task.data[WORLD_SEED]
+            world = generate_world(seed, "train", FRESH_WORLD)
+            by_id = {
+                q.id: q for q in generate_questions(world, 6, seed=seed, id_prefix=f"fresh{seed}-")
+            }
+            question = by_id[task.id]  # the chain the oracle follows; the task carries the text
+            assert question.question == task.data["question"]
+            run = await run_oracle(question, retrieval.search, AgentConfig())
+            answered += run.answer in task.data["golden_answers"]
+        assert answered >= 10
+        # A world's index holds that world alone: the last question's entity (second world)
+        # is found in its own world's index and nowhere in the first's.
+        first, second = [await worlds.get(s) for s in sorted(set(seeds))]
+        entity = question.chain[0].entity
+        assert entity in [h.title for h in await second.search(entity, 3)]
+        assert entity not in [h.title for h in await first.search(entity, 10)]
+    finally:
+        worlds.close()
+
+
+def test_the_environment_trains_on_fresh_worlds_when_asked(tmp_path: Path) -> None:
+    kb = build_cpu_kb(tmp_path / "kb", SMALL)
+    index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
+    with serve_in_thread(create_app(index)) as port:
+        env = DeepResearchEnvironment(
+            tmp_path, kb_dir=kb, retrieval_url=f"http://127.0.0.1:{port}", fresh_train_worlds=13
+        )
+        try:
+            train = env.train_tasks()
+            assert len(train) == 13 and all(WORLD_SEED in t.data for t in train)
+            assert all(WORLD_SEED not in t.data for t in env.val_tasks())  # held-out world kept
+        finally:
+            env.close()

@@ -10,6 +10,8 @@ Config (`environment.args`, all optional):
   every `loop.val_every` steps).
 - `train_hops`: train only on questions of these hop counts (e.g. `[1]`, a curriculum); held-out
   validation keeps every question.
+- `fresh_train_worlds`: train on this many questions over fresh worlds instead, each searched in
+  its own in-process index (`fresh_worlds.py`); validation keeps the held-out world.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).
 """
 
@@ -30,6 +32,11 @@ from lockgate.examples.deepresearch.data import (
     TRAIN,
     build_cpu_kb,
     load_questions,
+)
+from lockgate.examples.deepresearch.fresh_worlds import (
+    WORLD_SEED,
+    WorldRetrievals,
+    fresh_world_tasks,
 )
 from lockgate.examples.deepresearch.questions import Question
 from lockgate.examples.deepresearch.retrieval.client import RetrievalClient
@@ -65,6 +72,7 @@ class DeepResearchEnvironment:
         num_train: int | None = None,
         num_val: int | None = None,
         train_hops: Sequence[int] | None = None,
+        fresh_train_worlds: int | None = None,
         agent: dict[str, Any] | None = None,
         log_dir: Path | None = None,
     ) -> None:
@@ -77,6 +85,8 @@ class DeepResearchEnvironment:
         if train_hops is not None:
             train = [q for q in train if q.hops in set(train_hops)]
         self._train = train[:num_train]
+        self._fresh = fresh_world_tasks(fresh_train_worlds) if fresh_train_worlds else None
+        self.worlds = WorldRetrievals()
         self._val = load_questions(Path(heldout_questions or kb / HELDOUT), num_val)
         self.agent_config = AgentConfig.model_validate(agent or {})
         if retrieval_url is not None:
@@ -86,6 +96,8 @@ class DeepResearchEnvironment:
         self.retrieval = RetrievalClient(self.service.url)
 
     def train_tasks(self) -> Sequence[Task]:
+        if self._fresh is not None:
+            return self._fresh
         return [question_task(q) for q in self._train]
 
     def val_tasks(self) -> Sequence[Task]:
@@ -94,9 +106,12 @@ class DeepResearchEnvironment:
     @property
     def agent(self) -> Agent:
         config, tools = self.agent_config, Tools(self.retrieval, self.agent_config)
+        worlds = self.worlds
 
         async def research(task: Task, ctx: RolloutContext) -> float:
-            episode = await task_episode(task, ctx, tools, config)
+            seed = task.data.get(WORLD_SEED)
+            here = tools if seed is None else Tools(await worlds.get(seed), config)
+            episode = await task_episode(task, ctx, here, config)
             await _record(ctx, episode.metadata())
             return episode.score.reward
 
@@ -108,6 +123,7 @@ class DeepResearchEnvironment:
 
     def close(self) -> None:
         self.service.stop()
+        self.worlds.close()
 
 
 async def _record(ctx: RolloutContext, metadata: dict[str, Any]) -> None:

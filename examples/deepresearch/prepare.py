@@ -31,16 +31,18 @@ from tqdm import tqdm
 
 from lockgate.examples.deepresearch.agent import AgentConfig
 from lockgate.examples.deepresearch.data import KBSpec, build_cpu_kb, write_jsonl
+from lockgate.examples.deepresearch.fresh_worlds import (
+    FRESH_WORLD,
+    QUESTIONS_PER_WORLD,
+    WorldRetrieval,
+)
 from lockgate.examples.deepresearch.model import ensure_model
 from lockgate.examples.deepresearch.oracle import OracleRun, oracle_transcripts, transcript_line
 from lockgate.examples.deepresearch.questions import generate_questions
-from lockgate.examples.deepresearch.retrieval.index import BM25Index, Hit
 from lockgate.examples.deepresearch.world import World, WorldSizes, generate_world
 
 # A world per few transcripts: enough people that names share words (BM25 distractors, as in
 # the knowledge base), few questions each so that entities hardly repeat.
-FRESH_WORLD = WorldSizes(people=60, organisations=15, cities=12, countries=4)
-QUESTIONS_PER_WORLD = 6
 # Seeds of transcript worlds start here, apart from the knowledge base's (its seed, 0, 1, ...),
 # and those of the copy drills' worlds (names only) there.
 _WORLD_SEEDS = 1_000_000
@@ -50,15 +52,9 @@ DRILL_WORLD = WorldSizes(people=40, organisations=10, cities=10, countries=4)
 
 def _world_runs(world: World, seed: int, config: AgentConfig, work: Path) -> list[OracleRun]:
     """The oracle's successful runs on a few questions over `world`, searched in its own index."""
-    corpus = work / "corpus.jsonl"
-    write_jsonl(corpus, list(world.documents("w")))
-    index = BM25Index.build(corpus, work / "index")
+    retrieval = WorldRetrieval(world, work, "world")
     questions = generate_questions(world, QUESTIONS_PER_WORLD, seed=seed, id_prefix=f"w{seed}-")
-
-    async def search(query: str, k: int) -> list[Hit]:
-        return index.search_batch([query], k)[0]
-
-    return asyncio.run(oracle_transcripts(questions, search, config))
+    return asyncio.run(oracle_transcripts(questions, retrieval.search, config))
 
 
 def fresh_transcripts(
