@@ -21,6 +21,8 @@ from lockgate.examples.deepresearch.questions import generate_questions
 from lockgate.examples.deepresearch.retrieval.index import BM25Index, Hit
 from lockgate.examples.deepresearch.world import World, WorldSizes, generate_world
 
+# A world per few questions: enough people that names share words (BM25 distractors, as in the
+# knowledge base), few questions each so that entities hardly repeat.
 FRESH_WORLD = WorldSizes(people=60, organisations=15, cities=12, countries=4)
 QUESTIONS_PER_WORLD = 6
 # Apart from the knowledge base's seeds (0, 1, ...) and the SFT transcripts' (prepare.py).

@@ -41,8 +41,6 @@ from lockgate.examples.deepresearch.oracle import OracleRun, oracle_transcripts,
 from lockgate.examples.deepresearch.questions import generate_questions
 from lockgate.examples.deepresearch.world import World, WorldSizes, generate_world
 
-# A world per few transcripts: enough people that names share words (BM25 distractors, as in
-# the knowledge base), few questions each so that entities hardly repeat.
 # Seeds of transcript worlds start here, apart from the knowledge base's (its seed, 0, 1, ...),
 # and those of the copy drills' worlds (names only) there.
 _WORLD_SEEDS = 1_000_000
