@@ -4,6 +4,7 @@ per-minute bound gets a 429 in OpenAI's shape, records nothing, and holds up no 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -195,3 +196,28 @@ async def test_a_session_over_its_call_rate_gets_a_429_saying_when_to_retry(
         )
         assert completions.status_code == 429  # /v1/completions shares the session's budget
         assert await _calls(client, sid) == 2
+
+
+async def test_a_call_whose_client_leaves_gives_its_slot_back(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    replica = HeldReplica(completion=_ok(tiny_model_dir))
+    replica.go, replica.arrived = asyncio.Event(), asyncio.Semaphore(0)
+    async with serve_gateway(
+        tiny_model_dir,
+        tmp_path,
+        {REPLICA: replica},
+        limits={"max_calls_in_flight_per_session": 1},
+    ) as (client, app):
+        sid = await _session(client)
+        url = f"/sessions/{sid}/v1/chat/completions"
+        for stream in (False, True):
+            left = asyncio.create_task(client.post(url, json=_chat(stream=stream)))
+            await replica.wait_for(1)
+            assert app.state.gateway.admission.in_flight(sid) == 1
+            left.cancel()  # the agent gave up on the call
+            with contextlib.suppress(asyncio.CancelledError):
+                await left
+            assert app.state.gateway.admission.in_flight(sid) == 0
+        replica.go.set()
+        assert (await client.post(url, json=_chat())).status_code == 200

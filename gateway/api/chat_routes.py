@@ -71,7 +71,6 @@ class ChatRoutes:
         self, session_id: str | None, auth: str | None, body: bytes
     ) -> tuple[Response, Callable[[], None]]:
         gateway = self.gateway
-        release = _nothing
         try:
             session: SessionRow = (
                 gateway.session_by_key(auth)
@@ -79,12 +78,15 @@ class ChatRoutes:
                 else gateway.session_by_path(session_id, auth)
             )
             release = gateway.admission.admit(session.id)
-            return await gateway.chat.answer(session, body), release
+            try:
+                return await gateway.chat.answer(session, body), release
+            except BaseException:
+                release()  # a cancelled call (its client left) gives its slot back too
+                raise
         except GatewayError as exc:
             error = exc
         except Exception as exc:
             error = internal_error(exc)
-        release()
         gateway.metrics.error(error)
         return error_response(error), _nothing
 
