@@ -24,22 +24,19 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sqlite3
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from lockgate.gateway.schema import CallRecord, VersionSpan
 from lockgate.gateway.store.trajectories import TrajectoryStore, _call_row
 from lockgate.gateway.viewer.serve import RunFiles, create_view_app
 from lockgate.trainer.tiny_model import ensure_tiny_model
+from tests.threaded_server import serve_in_thread
 
 TOKEN = "bench-viewer-token"
 SESSIONS = 12_500
@@ -164,23 +161,6 @@ def add_heavy(path: Path, calls: int = 32, prompt_len: int = 2000) -> None:
     conn.close()
 
 
-@contextmanager
-def serve(app: object) -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))  # type: ignore[arg-type]
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def _time(fn: Callable[[], httpx.Response], repeats: int) -> tuple[float, list[float], int]:
     t = time.perf_counter()
     first = fn()
@@ -260,7 +240,7 @@ def main() -> None:
                      model_dir=ensure_tiny_model())  # fmt: skip
     rng = random.Random(1)
     with (
-        serve(create_view_app(files, TOKEN)) as port,
+        serve_in_thread(create_view_app(files, TOKEN)) as port,
         httpx.Client(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}
         ) as c,

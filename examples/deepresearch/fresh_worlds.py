@@ -66,23 +66,28 @@ class WorldRetrievals:
     group's rollouts run; the least recently used go when more than `keep` are held."""
 
     def __init__(self, keep: int = 64) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="lockgate-fresh-worlds-")
+        self._dir: tempfile.TemporaryDirectory[str] | None = None  # made at the first world
         self._keep = keep
         self._held: OrderedDict[int, asyncio.Future[WorldRetrieval]] = OrderedDict()
 
     async def get(self, world_seed: int) -> WorldRetrieval:
         held = self._held.get(world_seed)
         if held is None:
-            held = asyncio.ensure_future(asyncio.to_thread(self._build, world_seed))
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="lockgate-fresh-worlds-")
+            work = Path(self._dir.name)
+            held = asyncio.ensure_future(asyncio.to_thread(self._build, world_seed, work))
             self._held[world_seed] = held
             while len(self._held) > self._keep:
                 self._held.popitem(last=False)
         self._held.move_to_end(world_seed)
         return await held
 
-    def _build(self, world_seed: int) -> WorldRetrieval:
+    @staticmethod
+    def _build(world_seed: int, work: Path) -> WorldRetrieval:
         world = generate_world(world_seed, "train", FRESH_WORLD)
-        return WorldRetrieval(world, Path(self._dir.name), str(world_seed))
+        return WorldRetrieval(world, work, str(world_seed))
 
     def close(self) -> None:
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
