@@ -449,7 +449,8 @@ async def test_a_forced_tool_call_is_constrained_by_the_formats_structural_tag(
     forced = {"type": "function", "function": {"name": "look"}}
     for choice, constrained in ((forced, True), ("required", True), ("auto", False)):
         r = await harness.client.post(
-            f"{s['base_url']}/chat/completions", json=_chat(tools=tools, tool_choice=choice)
+            f"{s['base_url']}/chat/completions",
+            json=_chat(tools=tools, tool_choice=choice, max_tokens=48),
         )
         assert r.status_code == 200, r.text
         sent = harness.replica.requests[-1]["sampling_params"]
@@ -461,8 +462,23 @@ async def test_a_forced_tool_call_is_constrained_by_the_formats_structural_tag(
             # The markers are matched as the special tokens, by id, not as spellable text.
             opener = harness.app.state.gateway.renderer.special_tokens["<tool_call>"]
             assert {"type": "token", "token": opener} in _nodes(tag["format"])
+            # The budget bounds the thinking, leaving room for the call.
+            (think,) = [n for n in _nodes(tag["format"]) if n.get("type") == "any_text"]
+            assert 0 < think["max_tokens"] < 48 - 10
     calls = await harness.calls(s["session_id"])
     assert [c["constrained"] for c in calls] == [True, True, False]
+
+
+async def test_a_forced_call_that_cannot_fit_max_tokens_is_a_400(harness: Harness) -> None:
+    s = await harness.session()
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]
+    r = await harness.client.post(
+        f"{s['base_url']}/chat/completions",
+        json=_chat(tools=tools, tool_choice="required", max_tokens=3),
+    )
+    _assert_openai_error(r, 400, "too small for a forced call to 'look'")
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert await harness.calls(s["session_id"]) == []
 
 
 def _strings(node: Any) -> str:

@@ -10,12 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from lockgate.coordinator.gateway_process import GatewayProcess
-from lockgate.gateway.config import GatewayConfig, SamplingPolicy
+from lockgate.gateway.config import SamplingPolicy
+from tests.sdk_gateway import admin_call, sdk_gateway
 
 pytestmark = pytest.mark.vllm
 
@@ -43,32 +42,20 @@ def gateway_url(
     tiny_model_dir: Path, replicas: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     run_dir = tmp_path_factory.mktemp("sdk-gateway")
-    gateway = GatewayProcess(
-        GatewayConfig(
-            model_dir=tiny_model_dir,
-            replicas=replicas.urls,
-            db_path=run_dir / "trajectories.sqlite",
-            admin_token=ADMIN,
-            max_model_len=2048,
-            # Greedy, so the test can be exact; the tool call comes first, without thinking.
-            sampling=SamplingPolicy(mode="honor"),
-            constrained_reasoning="disabled",
-        ),
+    # Greedy, so the test can be exact; the tool call comes first, without thinking.
+    with sdk_gateway(
+        tiny_model_dir,
+        replicas.urls,
         run_dir,
-    )
-    gateway.start()
-    try:
-        yield gateway.url
-    finally:
-        gateway.stop()
+        ADMIN,
+        sampling=SamplingPolicy(mode="honor"),
+        constrained_reasoning="disabled",
+    ) as url:
+        yield url
 
 
 def _admin(url: str, method: str, path: str, body: Any = None) -> Any:
-    resp = httpx.request(
-        method, url + path, json=body, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60
-    )
-    assert resp.status_code < 300, resp.text
-    return resp.json()
+    return admin_call(url, ADMIN, method, path, body)
 
 
 def _client_args(url: str, by_key: bool) -> tuple[dict[str, Any], str]:

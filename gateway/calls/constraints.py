@@ -11,10 +11,18 @@ grammar mask), so its record says `constrained` and training may treat it accord
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from lockgate.gateway.calls.forced_budget import (
+    CallDoesNotFit,
+    ForcedBudget,
+    bound_strings,
+    most_tokens,
+    plan_forced_budget,
+)
 from lockgate.gateway.errors import bad_request
 from lockgate.gateway.schema import NamedToolChoice, ToolSpec
 
@@ -36,12 +44,15 @@ def tool_call_constraint(
     reasoning: Reasoning,
     parallel_tool_calls: bool | None,
     special_tokens: Mapping[str, int] | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, Any] | None:
     """vLLM `structured_outputs` forcing a tool call, or None when nothing is forced.
 
     `reasoning`: "auto" lets the model think first (an optional <think> block), "disabled"
     makes the tool call the very first thing it writes. `special_tokens`: the tokenizer's
-    added tokens; format markers among them are matched as those tokens.
+    added tokens; format markers among them are matched as those tokens. With `max_tokens`,
+    the thinking and the string arguments are bounded so that the call fits the budget
+    (forced_budget.py); a budget too small for any call is a 400.
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
@@ -67,16 +78,96 @@ def tool_call_constraint(
     # Imported here: xgrammar is a vLLM dependency, loaded only by calls that need it.
     import xgrammar
 
-    tag = xgrammar.get_model_structural_tag(
-        fmt,
-        tools=[t.model_dump(exclude_none=True) for t in tools],
-        tool_choice=choice,
-        reasoning=reasoning,
-        parallel_tool_calls=parallel_tool_calls is not False,
-        max_whitespace_cnt=MAX_WHITESPACE,
-    )
-    tag.format = _as_special_tokens(tag.format, dict(special_tokens or {}))
+    def tag_for(reasoning: Reasoning) -> Any:
+        return xgrammar.get_model_structural_tag(
+            fmt,
+            tools=[t.model_dump(exclude_none=True) for t in tools],
+            tool_choice=choice,
+            reasoning=reasoning,
+            parallel_tool_calls=parallel_tool_calls is not False,
+            max_whitespace_cnt=MAX_WHITESPACE,
+        )
+
+    tag = tag_for(reasoning)
+    special = dict(special_tokens or {})
+    if max_tokens is not None:
+        calls = {_tool_named_in(begin, tools): spec for begin, spec in _calls_in(tag.format)}
+        try:
+            budget = plan_forced_budget(
+                max_tokens,
+                calls,
+                functools.partial(most_tokens, special=special),
+                may_think=reasoning == "auto",
+                whitespace=MAX_WHITESPACE,
+            )
+        except CallDoesNotFit as exc:
+            raise bad_request(str(exc), param="max_tokens") from exc
+        if budget.think_tokens is None and reasoning == "auto":
+            tag = tag_for("disabled")  # no room to think: the call comes first
+        tag.format = _within_budget(tag.format, budget)
+    tag.format = _as_special_tokens(tag.format, special)
     return {"structural_tag": json.dumps(tag.model_dump(mode="json", exclude_none=True))}
+
+
+def _calls_in(fmt: Any) -> list[tuple[str, tuple[str, Any, str]]]:
+    """Each call tag in the format: its opening text, and (opening, schema, closing)."""
+    from xgrammar import structural_tag as st
+
+    if isinstance(fmt, st.TagFormat):
+        if isinstance(fmt.content, st.JSONSchemaFormat) and isinstance(fmt.begin, str):
+            end = fmt.end if isinstance(fmt.end, str) else max(fmt.end, key=len)
+            return [(fmt.begin, (fmt.begin, fmt.content.json_schema, end))]
+        return _calls_in(fmt.content)
+    if isinstance(fmt, st.TriggeredTagsFormat):
+        return [c for t in fmt.tags for c in _calls_in(t)]
+    if isinstance(fmt, st.SequenceFormat):
+        return [c for e in fmt.elements for c in _calls_in(e)]
+    if isinstance(fmt, st.OptionalFormat):
+        return _calls_in(fmt.content)
+    return []
+
+
+def _tool_named_in(begin: str, tools: list[ToolSpec]) -> str:
+    return next((t.function.name for t in tools if f'"{t.function.name}"' in begin), begin)
+
+
+def _within_budget(fmt: Any, budget: ForcedBudget) -> Any:
+    """The same format with the thinking, the strings and the whitespace of `budget`."""
+    from xgrammar import structural_tag as st
+
+    if isinstance(fmt, st.TagFormat):
+        content = fmt.content
+        if isinstance(content, st.AnyTextFormat) and budget.think_tokens is not None:
+            content = content.model_copy(update={"max_tokens": budget.think_tokens})
+        elif isinstance(content, st.JSONSchemaFormat):
+            schema = content.json_schema
+            if budget.string_chars is not None:
+                schema = bound_strings(schema, budget.string_chars)
+            content = content.model_copy(
+                update={"json_schema": schema, "max_whitespace_cnt": budget.whitespace}
+            )
+        else:
+            content = _within_budget(content, budget)
+        return fmt.model_copy(update={"content": content})
+    if isinstance(fmt, st.TriggeredTagsFormat) and fmt.at_least_one:
+        # Calls back to back, separated as the format separates parallel calls, and nothing
+        # else: free text after a call would run on to the budget's end, so that the answer
+        # ends `length` rather than `tool_calls`.
+        return st.TagsWithSeparatorFormat(
+            tags=[_within_budget(t, budget) for t in fmt.tags],
+            separator="\n",
+            at_least_one=True,
+            stop_after_first=fmt.stop_after_first or budget.one_call,
+        )
+    if isinstance(fmt, st.TriggeredTagsFormat):
+        return fmt.model_copy(update={"tags": [_within_budget(t, budget) for t in fmt.tags]})
+    if isinstance(fmt, st.SequenceFormat):
+        return fmt.model_copy(
+            update={"elements": [_within_budget(e, budget) for e in fmt.elements]}
+        )
+    if isinstance(fmt, st.OptionalFormat):
+        return fmt.model_copy(update={"content": _within_budget(fmt.content, budget)})
+    return fmt
 
 
 def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
@@ -87,7 +178,9 @@ def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
     ordinary tokens; a model spelling `<tool_call>` that way writes a call the format's parser
     (which looks for the special token) does not see. A trained model uses the special token
     anyway; a weak or random one may not. Tokens go by id: vLLM checks a tag without the
-    tokenizer, and token strings cannot be resolved there.
+    tokenizer, and token strings cannot be resolved there. (The text between the markers
+    stays text: written as token sequences, vLLM 0.32's xgrammar matcher rejected tokens its
+    own mask had allowed, now and then, failing the request.)
     """
     from xgrammar import structural_tag as st
 
@@ -121,6 +214,8 @@ def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
             at_least_one=fmt.at_least_one,
             stop_after_first=fmt.stop_after_first,
         )
+    if isinstance(fmt, st.TagsWithSeparatorFormat):
+        return fmt.model_copy(update={"tags": [tag(t) for t in fmt.tags]})
     if isinstance(fmt, st.SequenceFormat):
         return st.SequenceFormat(elements=[_as_special_tokens(e, special) for e in fmt.elements])
     if isinstance(fmt, st.OptionalFormat):

@@ -154,6 +154,7 @@ class CallPipeline:
             reasoning=self.config.constrained_reasoning,
             parallel_tool_calls=req.parallel_tool_calls,
             special_tokens=self.renderer.special_tokens,
+            max_tokens=sampling["max_tokens"],
         )
         if constraint is not None:
             sampling["structured_outputs"] = constraint

@@ -1,0 +1,192 @@
+"""How a forced tool call (`tool_choice` required or named) is made to fit `max_tokens`.
+
+OpenAI promises a tool call when one is forced. A model that may think first can think until
+its budget is gone, and a weak one can write a string argument that never ends; either way the
+answer is cut (`finish_reason: length`) before the call closes, and agent frameworks raise
+(the openai-agents SDK: `ModelBehaviorError`). So the grammar of a forced call is bounded from
+the budget: the call's fixed syntax and the shortest arguments its schema allows are reserved
+first; of what is left, half may go to thinking (a token-exact bound in the grammar). When the
+budget is tight (under four such calls) the rest goes to the free-text string arguments,
+bounded in characters (an ordinary token spells at least one), the JSON whitespace is cut to
+one character a place and only one call is allowed; an ample budget leaves strings,
+whitespace and parallel calls as they are.
+
+Pure: token counts come from a function the caller passes (`most_tokens` for the worst
+case the grammar allows).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The think block's own markers and the blank line after it, in tokens.
+THINK_OVERHEAD_TOKENS = 4
+# The stop token after the call.
+END_OF_TURN_TOKENS = 1
+
+
+@dataclass(frozen=True)
+class ForcedBudget:
+    """The bounds that make a forced call fit: `think_tokens` None means no thinking at all;
+    `string_chars` is the longest any one free-text string argument may be (None: unbounded);
+    `whitespace` the JSON whitespace allowed in one place; `one_call` when the budget is too
+    tight for parallel calls (the first takes all the room)."""
+
+    think_tokens: int | None
+    string_chars: int | None
+    whitespace: int
+    one_call: bool
+
+
+class CallDoesNotFit(ValueError):
+    """Even the shortest call to some tool needs more tokens than the budget."""
+
+    def __init__(self, needed: int, budget: int, tool: str) -> None:
+        super().__init__(
+            f"max_tokens {budget} is too small for a forced call to '{tool}': its shortest "
+            f"form takes {needed} tokens"
+        )
+        self.needed = needed
+
+
+def plan_forced_budget(
+    budget: int,
+    calls: Mapping[str, tuple[str, Mapping[str, Any], str]],
+    count_tokens: Callable[[str], int],
+    *,
+    may_think: bool,
+    whitespace: int,
+) -> ForcedBudget:
+    """The bounds for a forced call within `budget` tokens.
+
+    `calls`: per tool, the call's opening text, its parameters' JSON schema and its closing
+    text, as the chat format writes them. The reserve is the longest shortest call over the
+    tools (the model picks which), with `whitespace` characters allowed in each JSON position
+    (cut to one, which is all a compact call needs, unless the budget is ample).
+    """
+    tool, floor, positions = max(
+        ((name, *_shortest_call(spec, count_tokens)) for name, spec in calls.items()),
+        key=lambda t: t[1] + t[2] * whitespace,
+    )
+    floor += END_OF_TURN_TOKENS
+    # A budget of four calls or more is ample: it keeps the whitespace and parallel calls.
+    ample = budget >= 4 * (floor + positions * whitespace)
+    if not ample:
+        whitespace = 1
+    needed = floor + positions * whitespace
+    if needed > budget:
+        raise CallDoesNotFit(needed, budget, tool)
+    strings = max(_free_strings(spec[1]) for spec in calls.values())
+    slack = budget - needed
+    think: int | None = None
+    if may_think and slack >= THINK_OVERHEAD_TOKENS:
+        # Without strings to write, the thinking may have all the room.
+        think = (slack - THINK_OVERHEAD_TOKENS) // (2 if strings else 1)
+        slack -= THINK_OVERHEAD_TOKENS + think
+    string_chars = max(1, slack // strings) if strings and not ample else None
+    return ForcedBudget(
+        think_tokens=think, string_chars=string_chars, whitespace=whitespace, one_call=not ample
+    )
+
+
+def bound_strings(schema: Any, max_chars: int) -> Any:
+    """`schema` with every free-text string (no enum, const, pattern or format) at most
+    `max_chars` characters; a tighter `maxLength` already there is kept.
+
+    The bound is a pattern, not `maxLength`: xgrammar (0.2) lets a string under `maxLength`
+    hold raw control characters, which makes the call invalid JSON, and drops the bound when a
+    pattern is present. The pattern admits no escapes, so a bounded string holds no quote or
+    backslash: the price of a call that must fit a tight budget.
+    """
+    if isinstance(schema, list):
+        return [bound_strings(s, max_chars) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _bound_child(key, value, max_chars) for key, value in schema.items()}
+    if _is_free_string(schema):
+        longest = min(int(schema.get("maxLength", max_chars)), max_chars)
+        shortest = min(int(schema.get("minLength", 0)), longest)
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{shortest},{longest}}}$"
+    return out
+
+
+def _bound_child(key: str, value: Any, max_chars: int) -> Any:
+    if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
+        value, dict
+    ):
+        return {name: bound_strings(sub, max_chars) for name, sub in value.items()}
+    if key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems"):
+        return bound_strings(value, max_chars)
+    return value
+
+
+def _is_free_string(schema: Mapping[str, Any]) -> bool:
+    kind = schema.get("type")
+    is_string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+    return is_string and not any(k in schema for k in ("enum", "const", "pattern", "format"))
+
+
+def _free_strings(schema: Any) -> int:
+    """How many free-text strings the shortest arguments hold (the required ones)."""
+    if not isinstance(schema, dict):
+        return 0
+    if _is_free_string(schema):
+        return 1
+    required = set(schema.get("required", ()))
+    props = schema.get("properties", {})
+    return sum(_free_strings(props[name]) for name in required if name in props)
+
+
+def _shortest_call(
+    spec: tuple[str, Mapping[str, Any], str], count_tokens: Callable[[str], int]
+) -> tuple[int, int]:
+    """Tokens of the call with its shortest arguments, and the JSON positions where the
+    grammar lets whitespace in (around each brace, colon and comma)."""
+    begin, schema, end = spec
+    args = json.dumps(shortest_instance(schema), separators=(",", ":"))
+    positions = sum(args.count(c) for c in "{}[]:,") + 2
+    return count_tokens(begin) + count_tokens(args) + count_tokens(end), positions
+
+
+def most_tokens(text: str, special: Mapping[str, int]) -> int:
+    """The most tokens a model can spend writing `text` under the grammar: one per format
+    marker (matched as its special token) and one per character otherwise, since the grammar
+    lets a model spell fixed text a character a token (a trained model writes far fewer)."""
+    count = len(text)
+    for marker in special:
+        if marker in text:
+            count -= text.count(marker) * (len(marker) - 1)
+    return count
+
+
+def shortest_instance(schema: Any) -> Any:
+    """A short value the schema accepts (the required properties with their shortest values);
+    a schema it cannot read gives {} (the call's reserve is then a little low, not wrong)."""
+    if not isinstance(schema, dict):
+        return {}
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return min(schema["enum"], key=lambda v: len(json.dumps(v)))
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            options = [shortest_instance(s) for s in schema[key]]
+            return min(options, key=lambda v: len(json.dumps(v)))
+    kind = schema.get("type", "object" if "properties" in schema else None)
+    if isinstance(kind, list):
+        kind = "null" if "null" in kind else (kind[0] if kind else None)
+    if kind == "string":
+        return "x" * int(schema.get("minLength", 0))
+    if kind in ("integer", "number"):
+        return schema.get("minimum", 0)
+    if kind == "boolean":
+        return False
+    if kind == "null":
+        return None
+    if kind == "array":
+        return [shortest_instance(schema.get("items", {}))] * int(schema.get("minItems", 0))
+    props = schema.get("properties", {})
+    return {name: shortest_instance(props.get(name, {})) for name in schema.get("required", ())}

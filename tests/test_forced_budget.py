@@ -1,0 +1,213 @@
+"""The bounds that make a forced tool call fit its token budget (gateway/calls/forced_budget.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lockgate.gateway.calls.constraints import tool_call_constraint
+from lockgate.gateway.calls.forced_budget import (
+    CallDoesNotFit,
+    bound_strings,
+    most_tokens,
+    plan_forced_budget,
+    shortest_instance,
+)
+from lockgate.gateway.schema import ToolSpec
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+BEGIN, END = '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"
+
+
+def _words(text: str) -> int:
+    """A stand-in tokenizer: a token per whitespace-separated word."""
+    return len(text.split())
+
+
+# BEGIN's 4 words, the shortest arguments '{"city":""}' (1), END's 2 and the stop.
+FLOOR = 4 + 1 + 2 + 1
+
+
+def test_a_tight_budget_shares_what_the_call_leaves_between_thinking_and_the_string() -> None:
+    calls = {"get_weather": (BEGIN, CITY, END)}
+    # 5 JSON places ({, :, } and either side), one whitespace character each.
+    plan = plan_forced_budget(48, calls, _words, may_think=True, whitespace=4)
+    assert plan.whitespace == 1  # 4 a place: 20 of the 40 tokens the call leaves
+    slack = 48 - FLOOR - 5
+    assert plan.think_tokens == (slack - 4) // 2
+    assert plan.string_chars == slack - 4 - plan.think_tokens
+    assert plan.one_call  # no room for a second call
+    # Never more than the budget: the call, the thinking and its markers, the string.
+    assert FLOOR + 5 + 4 + plan.think_tokens + plan.string_chars <= 48
+
+
+def test_an_ample_budget_keeps_the_whitespace_and_allows_parallel_calls() -> None:
+    plan = plan_forced_budget(
+        4096, {"get_weather": (BEGIN, CITY, END)}, _words, may_think=True, whitespace=4
+    )
+    assert plan.whitespace == 4 and not plan.one_call
+    assert plan.think_tokens is not None and plan.think_tokens > 1900
+    # Strings stay free (escapes and all): the room left after thinking is large.
+    assert plan.string_chars is None
+
+
+def test_without_thinking_or_strings_the_room_goes_where_it_can() -> None:
+    calls = {"get_weather": (BEGIN, CITY, END)}
+    plan = plan_forced_budget(48, calls, _words, may_think=False, whitespace=4)
+    assert plan.think_tokens is None and plan.string_chars == 48 - FLOOR - 5
+    enum_only = {**CITY, "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}
+    plan = plan_forced_budget(
+        48, {"get_weather": (BEGIN, enum_only, END)}, _words, may_think=True, whitespace=1
+    )
+    assert plan.string_chars is None
+    # No string to share with: the thinking takes what the call and its markers leave.
+    assert plan.think_tokens == 48 - FLOOR - 5 - 4
+
+
+def test_too_little_room_for_thinking_means_none() -> None:
+    plan = plan_forced_budget(
+        16, {"get_weather": (BEGIN, CITY, END)}, _words, may_think=True, whitespace=4
+    )
+    assert plan.think_tokens is None and plan.string_chars == 16 - FLOOR - 5
+
+
+def test_a_budget_below_the_shortest_call_is_refused_naming_the_tool() -> None:
+    calls = {"get_weather": (BEGIN, CITY, END), "noop": ("<tool_call> noop", {}, END)}
+    with pytest.raises(CallDoesNotFit, match="'get_weather'") as info:
+        plan_forced_budget(12, calls, _words, may_think=True, whitespace=4)
+    assert info.value.needed == FLOOR + 5
+
+
+def test_free_strings_are_bounded_wherever_they_are_and_tighter_bounds_kept() -> None:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "q": {"type": "string"},
+            "short": {"type": "string", "maxLength": 3, "minLength": 2},
+            "kind": {"type": "string", "enum": ["a", "b"]},
+            "date": {"type": "string", "format": "date"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "opt": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "n": {"type": "integer"},
+        },
+        "$defs": {"Name": {"type": ["string", "null"]}},
+    }
+    out = bound_strings(schema, 10)
+    props = out["properties"]
+    bounded = "^[^\\x00-\\x1f]{0,10}$"  # no control characters: the call stays valid JSON
+    assert props["q"] == {"type": "string", "pattern": bounded}
+    assert props["short"]["pattern"] == "^[^\\x00-\\x1f]{2,3}$"
+    assert "pattern" not in props["kind"] and "pattern" not in props["date"]
+    assert props["tags"]["items"]["pattern"] == bounded
+    assert props["opt"]["anyOf"][0]["pattern"] == bounded
+    assert props["n"] == {"type": "integer"}
+    assert out["$defs"]["Name"]["pattern"] == bounded
+    assert "pattern" not in schema["properties"]["q"]  # the tool's own schema is untouched
+    # A minimum length over the bound is cut to it, so the schema stays satisfiable.
+    assert bound_strings({"type": "string", "minLength": 50}, 10)["pattern"].endswith("{10,10}$")
+
+
+def test_the_worst_case_counts_markers_as_one_token_and_text_a_token_a_character() -> None:
+    special = {"<tool_call>": 1012, "</tool_call>": 1013}
+    assert most_tokens('<tool_call>\n{"a": ', special) == 1 + 7
+    assert most_tokens("}\n</tool_call>", special) == 3
+
+
+@pytest.mark.parametrize(
+    ("schema", "shortest"),
+    [
+        (CITY, {"city": ""}),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}}, {}),
+        ({"properties": {"b": {"type": "boolean"}}, "required": ["b"]}, {"b": False}),
+        ({"type": "string", "enum": ["London", "Rome"]}, "Rome"),
+        ({"anyOf": [{"type": "string", "minLength": 4}, {"type": "null"}]}, None),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [0, 0]),
+        ({"type": "number", "minimum": 5}, 5),
+        ({"const": "x"}, "x"),
+        ({"type": ["null", "string"]}, None),
+        ("not a schema", {}),
+    ],
+)
+def test_the_shortest_instance_satisfies_the_schema_briefly(schema: Any, shortest: Any) -> None:
+    assert shortest_instance(schema) == shortest
+    json.dumps(shortest_instance(schema))  # always JSON
+
+
+def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(
+    tiny_model_dir: Path,
+) -> None:
+    """The constraint the gateway sends, compiled by xgrammar as vLLM does, fed token ids."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tools = [
+        ToolSpec.model_validate(
+            {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+        )
+    ]
+    constraint = tool_call_constraint(
+        "qwen3",
+        tools,
+        "required",
+        reasoning="auto",
+        parallel_tool_calls=None,
+        special_tokens=dict(tok.get_added_vocab()),
+        max_tokens=96,
+    )
+    assert constraint is not None
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    grammar = xgr.GrammarCompiler(info).compile_structural_tag(constraint["structural_tag"])
+    stops = [tok.convert_tokens_to_ids("<|endoftext|>")]
+
+    def accepts(*pieces: str) -> tuple[bool, xgr.GrammarMatcher]:
+        """Each piece tokenized on its own."""
+        matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops)
+        ids = [t for p in pieces for t in tok.encode(p, add_special_tokens=False)]
+        return all(matcher.accept_token(t) for t in ids), matcher
+
+    begin, end = '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"
+    ok, matcher = accepts("<think>short</think>\n\n", begin, '{"city": "Paris"}', end)
+    assert ok
+    # After the call, only the end of the turn: no free text, no second call.
+    assert matcher.accept_token(stops[0]) and matcher.is_terminated()
+    assert accepts(begin, '{"city": "Paris"}', end)[0]  # thinking is optional
+    assert not accepts(begin, '{"city": "P\x03"}', end)[0]  # raw control characters: bad JSON
+    assert not accepts(begin, '{"city": "%s"}' % ("x" * 40), end)[0]  # past the strings' share
+    # The thinking's share: once spent, the grammar allows only its end.
+    tag = json.loads(constraint["structural_tag"])
+    think = next(n for n in _nodes(tag) if n.get("type") == "any_text")["max_tokens"]
+    matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops)
+    word = tok.encode(" word", add_special_tokens=False)
+    assert len(word) == 1
+    assert all(
+        matcher.accept_token(t) for t in [tok.convert_tokens_to_ids("<think>")] + word * think
+    )
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    allowed = [i for i in range(info.vocab_size) if (int(mask[0, i // 32]) >> (i % 32)) & 1]
+    assert allowed == [tok.convert_tokens_to_ids("</think>")]
+    # Thinking and the string's shares, and the call's reserve, add up within the budget.
+    pattern = next(n for n in _nodes(tag) if "pattern" in n)["pattern"]
+    longest = int(pattern.split(",")[1].split("}")[0])
+    # The worst case: the fixed text spelt a character a token, the markers as their tokens.
+    special = dict(tok.get_added_vocab())
+    fixed = sum(most_tokens(p, special) for p in (begin, '{"city":""}', end)) + 1  # + the stop
+    assert fixed + 5 + 4 + think + longest <= 96, (fixed, think, longest)  # 5: whitespace
+    assert think > 8 and longest > 8  # both shares are real
+
+
+def _nodes(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [node, *(n for v in node.values() for n in _nodes(v))]
+    if isinstance(node, list):
+        return [n for v in node for n in _nodes(v)]
+    return []
