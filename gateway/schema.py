@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 # ---------------------------------------------------------------------------------------------
@@ -436,10 +438,31 @@ class ResumeRequest(BaseModel):
 
 class AddReplica(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: str = Field(min_length=1)
+    url: str = Field(min_length=1, max_length=2048)
     version: int | None = Field(
         default=None, description="The weights it holds; unset: the version being served."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        """An http(s) URL both of the gateway's HTTP clients can address (httpx for admin
+        calls and health checks, replicas/http1.py for generation). One they cannot
+        (`http://[::1`, a bad port, a space) failed every call routed to it with a 500 and
+        ended the replicas' health checks for good (found by fuzzing, issue 18)."""
+        if not value.isascii() or any(c.isspace() or not c.isprintable() for c in value):
+            raise ValueError("a replica's URL is printable ASCII without spaces")
+        # The gateway appends its routes to the URL as given: the joined form must parse too.
+        for url in (value, value.rstrip("/") + "/health"):
+            try:
+                parsed = httpx.URL(url)
+                split = urlsplit(url)
+                split.port  # noqa: B018  # parsed on access: a bad port raises ValueError
+            except (httpx.InvalidURL, ValueError) as exc:
+                raise ValueError(f"not a URL: {exc}") from None
+            if parsed.scheme not in ("http", "https") or not parsed.host or not split.hostname:
+                raise ValueError("a replica's URL is http(s)://host[:port][/path]")
+        return value
 
 
 class ReplicaStatus(BaseModel):

@@ -11,7 +11,7 @@ from starlette.responses import Response
 from lockgate.gateway.api.gateway import Gateway, bearer
 from lockgate.gateway.api.responses import json_response
 from lockgate.gateway.calls.bodies import parse_json, validate
-from lockgate.gateway.errors import not_found, unauthorized
+from lockgate.gateway.errors import bad_request, not_found, unauthorized
 from lockgate.gateway.schema import (
     AddReplica,
     CreateSession,
@@ -138,8 +138,14 @@ def pool_routes(gateway: Gateway) -> APIRouter:
         return json_response(gateway.status(), 201)
 
     @router.delete("/admin/replicas")
-    async def remove_replica(request: Request, url: str) -> Response:
+    async def remove_replica(request: Request, url: str | None = None) -> Response:
+        # `url` is checked here, not by FastAPI: a caller without the token learns nothing,
+        # not even which parameters the route takes (FastAPI validates before the handler).
         require_admin(gateway, request)
+        if url is None:
+            raise bad_request(
+                "query parameter 'url' is required: the replica to remove", param="url"
+            )
         if not gateway.pool.remove(url):
             raise not_found(f"no replica '{url}'")
         return json_response(gateway.status())

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from lockgate.gateway.api.admin_routes import pool_routes, session_routes, sync_routes
@@ -73,13 +74,26 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
 
 
 def _answer_errors(app: FastAPI, gateway: Gateway) -> None:
-    """Every error in OpenAI's shape, counted: the gateway's own, FastAPI's validation
-    failures (as 400s) and anything unplanned (a logged 500)."""
+    """Every error in OpenAI's shape, counted: the gateway's own, unknown paths and methods,
+    FastAPI's validation failures (as 400s) and anything unplanned (a logged 500)."""
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
         gateway.metrics.error(exc)
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # A path no route serves, or a method it does not take: Starlette's own 404 / 405 were
+        # `{"detail": ...}`, which OpenAI's clients cannot read (found by fuzzing, issue 18).
+        where = f"{request.method} {request.url.path}"
+        message = f"Invalid URL ({where})" if exc.status_code == 404 else f"{exc.detail} ({where})"
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        err = GatewayError(exc.status_code, message, code=code)
+        gateway.metrics.error(err)
+        response = error_response(err)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:

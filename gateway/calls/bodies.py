@@ -17,6 +17,16 @@ from lockgate.gateway.errors import bad_request
 M = TypeVar("M", bound=BaseModel)
 
 
+# Bodies are recorded and read back (the admin API, the viewer) through orjson, which writes at
+# most 254 levels of nesting, a record's and an answer's own levels around the body's. A chat
+# call with 300 levels in a message's `audio` was answered and recorded, and then its session's
+# calls could not be read (a 500; found by fuzzing, issue 18). So a body may nest as deep as
+# leaves room for what is put around it. Real requests, tool schemas included, nest a few levels.
+_ORJSON_DEPTH = 254
+_AROUND_A_BODY = 16  # levels a record or an answer puts around a body, with room to spare
+MAX_JSON_DEPTH = _ORJSON_DEPTH - _AROUND_A_BODY
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     try:
         value = orjson.loads(body)
@@ -24,7 +34,26 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_depth(value)
     return value
+
+
+def _check_depth(value: Any) -> None:
+    """A body nested deeper than `MAX_JSON_DEPTH` is a 400.
+
+    Checked by orjson itself: under `_AROUND_A_BODY` wrapping lists its own limit falls exactly
+    there. That costs a few microseconds for a usual chat body, where a walk in Python costs
+    tens (this is every call's path), and milliseconds for the largest.
+    """
+    wrapped = value
+    for _ in range(_AROUND_A_BODY):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError as exc:
+        raise bad_request(
+            f"the request body is nested more than {MAX_JSON_DEPTH} levels deep"
+        ) from exc
 
 
 def validate(model: type[M], raw: dict[str, Any]) -> M:

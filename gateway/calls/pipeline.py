@@ -181,7 +181,9 @@ class CallPipeline:
             prompt_ids=prompt.prompt_ids,
             sampling=sampling,
             partial_rollout=self.config.partial_rollout,
-            stop=StopScanner(as_list(stop), self._decode) if stop else None,
+            stop=StopScanner(as_list(stop), self._decode, self.renderer.silent_token_ids)
+            if stop
+            else None,
         )
         return Call(session, raw, prompt, index, sampling, generator, time.time())
 

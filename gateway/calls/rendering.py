@@ -55,6 +55,12 @@ class ChatRenderer:
         self.stop_token_ids: list[int] = list(self._renderer.get_stop_token_ids())
         # Added tokens (chat markers such as <tool_call>, </think>): text -> id.
         self.special_tokens: dict[str, int] = dict(hf.get_added_vocab())
+        # The ids an answer's text leaves out (`skip_special_tokens`): they decode to nothing.
+        self.silent_token_ids: frozenset[int] = frozenset(
+            i
+            for i in self.special_tokens.values()
+            if not self.tokenizer.decode([i], skip_special_tokens=True)
+        )
         opener = hf.convert_tokens_to_ids("<tool_call>")
         self.tool_call_start_id: int | None = (
             opener if isinstance(opener, int) and opener != hf.unk_token_id else None
@@ -102,9 +108,15 @@ class ChatRenderer:
             for tc in parsed.tool_calls
             if tc.status == renderers.ToolCallParseStatus.OK and tc.name
         ]
+        # The parser strips reasoning it saw closed, but gives reasoning cut short (no
+        # </think>: a budget or stop string ended it) as it came; a stream cannot know which it
+        # will be and sends it stripped (api/streaming.py). Stripped here too, the streamed
+        # deltas concatenate to this answer (they lost its leading newline and, diverging,
+        # the rest: found by property tests, issue 18). The tokens are recorded as sampled.
+        reasoning = (parsed.reasoning_content or "").strip()
         message = AssistantMessage(
             content=parsed.content or (None if calls else ""),
-            reasoning_content=parsed.reasoning_content or None,
+            reasoning_content=reasoning or None,
             tool_calls=calls or None,
         )
         return ParsedCompletion(message=message, has_tool_calls=bool(calls))
