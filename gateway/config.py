@@ -97,6 +97,15 @@ class GatewayConfig(BaseModel):
         gt=0,
         description="A call waiting for a weight sync to end fails with a 503 after this long.",
     )
+    replica_stall_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="A generation that hears nothing from its replica for this long has the "
+        "replica's health checked: a replica that fails it (hung, e.g. stopped) counts as "
+        "failed, leaves the rotation until its health check passes again, and the call goes "
+        "on elsewhere with its tokens kept; one that answers (queued, a long prefill) is "
+        "waited on. 0: never checked.",
+    )
     partial_rollout: bool = Field(
         default=True,
         description="Calls cut by an `abort` sync continue under the new weights (tokens kept, "

@@ -183,3 +183,84 @@ def test_top_logprobs_come_by_rank_and_a_count_mismatch_is_an_error() -> None:
     chunk, error = parse_events([json.dumps(plain).encode(), json.dumps(bad).encode()])
     assert chunk is not None and chunk.token_ids == [6]
     assert error is not None and "2 tokens but 1 logprobs" in error.message
+
+
+def _replicas_one_hanging(healthy_while_silent: bool) -> httpx.MockTransport:
+    """`http://first` sends two tokens, then nothing (answering /health or not); `http://second`
+    sends the rest of the call."""
+
+    async def hanging() -> AsyncIterator[bytes]:
+        yield _token(5) + _token(6)
+        await asyncio.sleep(30)
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield _token(5) + _token(6)
+        await asyncio.sleep(0.5)  # a long prefill, a queue: silence, then tokens again
+        yield _token(7, "stop") + b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        first = request.url.host == "first"
+        if request.url.path == "/health":
+            if first and not healthy_while_silent:
+                raise httpx.ConnectTimeout("stopped")
+            return httpx.Response(200)
+        if first:
+            return httpx.Response(200, content=slow() if healthy_while_silent else hanging())
+        return httpx.Response(200, content=_token(7, "stop") + b"data: [DONE]\n\n")
+
+    return httpx.MockTransport(handler)
+
+
+async def _generate_with_stall_checks(
+    healthy_while_silent: bool,
+) -> tuple[CallGenerator, ReplicaPool]:
+    async with httpx.AsyncClient(transport=_replicas_one_hanging(healthy_while_silent)) as http:
+        pool = ReplicaPool(["http://first", "http://second"], http)
+        gen = CallGenerator(
+            PauseGate(),
+            pool,
+            session_id="s",
+            prompt_ids=[1, 2],
+            sampling={"max_tokens": 8},
+            stall_s=0.1,
+        )
+        async for _ in gen.run():
+            pass
+    return gen, pool
+
+
+async def test_a_hung_replica_is_left_and_the_call_goes_on_elsewhere_with_its_tokens() -> None:
+    gen, pool = await asyncio.wait_for(_generate_with_stall_checks(False), 10)
+    assert gen.sampled.token_ids == [5, 6, 7] and gen.sampled.finish_reason == "stop"
+    assert gen.sampled.replicas == ["http://first", "http://second"]
+    assert gen.sampled.failovers == 1
+    assert [c.url for c in pool.healthy_clients()] == ["http://second"]
+
+
+async def test_a_silent_replica_that_answers_its_health_check_is_waited_on() -> None:
+    gen, pool = await asyncio.wait_for(_generate_with_stall_checks(True), 10)
+    assert gen.sampled.token_ids == [5, 6, 7] and gen.sampled.finish_reason == "stop"
+    assert gen.sampled.replicas == ["http://first"] and gen.sampled.failovers == 0
+    assert len(pool.healthy_clients()) == 2
+
+
+async def test_a_health_check_that_raises_fails_that_replica_and_the_checks_go_on() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "odd":
+            raise ValueError("not a transport error")  # what no check should end the loop on
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        pool = ReplicaPool(["http://odd", "http://fine"], http, health_interval_s=0.01)
+        fine = next(c for c in pool.clients if c.url == "http://fine")
+        pool.mark_unhealthy(fine)
+        pool.start()
+        try:
+            for _ in range(500):
+                if [c.url for c in pool.healthy_clients()] == ["http://fine"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert [c.url for c in pool.healthy_clients()] == ["http://fine"]
+            assert pool._health_task is not None and not pool._health_task.done()
+        finally:
+            await pool.stop()

@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import random
+import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -491,6 +494,69 @@ def spare_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     spare = tiny_replica_set(tiny_model_dir, 1, tmp_path_factory.mktemp("spare-replica-log"))
     with spare:
         yield spare
+
+
+async def test_a_hung_replica_leaves_the_rotation_its_calls_go_on_and_it_comes_back(
+    tiny_model_dir: Path, replicas: Any, spare_replica: Any, tmp_path: Path
+) -> None:
+    """A replica that hangs (SIGSTOP on its whole process group: server, engine, worker)
+    rather than dies: its calls go on elsewhere, token for token, within the stall bound and
+    its health check; it leaves the rotation and comes back after SIGCONT."""
+    urls = [replicas.urls[0], spare_replica.urls[0]]
+    hung = spare_replica.urls[0]
+    group = os.getpgid(spare_replica.replicas[0].proc.pid)
+    stall_s = 2.0
+    async with open_gateway(
+        tiny_model_dir, urls, tmp_path / "hang.sqlite", replica_stall_s=stall_s
+    ) as gw:
+        bodies = [_greedy(f"Tell a long story about the hill, number {i}.", 300) for i in range(4)]
+
+        async def chat(body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            s = await gw.session()
+            r = await gw.client.post(f"{s['base_url']}/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return s, r.json()["choices"][0]["message"]
+
+        refs = [m for _, m in await asyncio.gather(*(chat(b) for b in bodies))]
+        calls = asyncio.gather(*(chat(b) for b in bodies))
+        segments = gw.gateway.gate.segments.values
+        while {seg.replica for seg in segments() if seg.tokens} != set(urls):
+            assert not calls.done(), "the calls ended before both replicas made tokens"
+            await asyncio.sleep(0.005)
+        os.killpg(group, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            results = await calls
+            recovered_s = time.monotonic() - stopped
+            assert [m for _, m in results] == refs  # nothing lost, nothing doubled
+            moved = 0
+            for s, _ in results:
+                (call,) = await gw.calls(s["session_id"])
+                path = call["replica"].split(",")
+                moved += path == [hung, replicas.urls[0]]
+                assert path in ([hung, replicas.urls[0]], [replicas.urls[0]]), path
+            assert moved > 0
+            assert [c.url for c in gw.gateway.pool.healthy_clients()] == [replicas.urls[0]]
+            # While it hangs, new calls are served by the other replica at once.
+            _, message = await chat(bodies[0])
+            assert message == refs[0]
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        continued = time.monotonic()
+        while hung not in [c.url for c in gw.gateway.pool.healthy_clients()]:
+            assert time.monotonic() - continued < 30, "the replica did not come back"
+            await asyncio.sleep(0.1)
+        back_s = time.monotonic() - continued
+        # Back in the rotation: new sessions go to it (it holds the fewest sessions) and are
+        # served there.
+        sessions = [await chat(_greedy("Hello.", 4)) for _ in range(2)]
+        served = {(await gw.calls(s["session_id"]))[0]["replica"] for s, _ in sessions}
+        assert hung in served
+        print(
+            f"\nhung replica: {moved}/{len(bodies)} calls moved, all answered "
+            f"{recovered_s:.1f}s after SIGSTOP (stall bound {stall_s:.0f}s + health check); "
+            f"back in rotation {back_s:.1f}s after SIGCONT; tokens lost: 0"
+        )
 
 
 async def test_a_replica_killed_during_a_sync_leaves_the_rotation_and_no_call_loses_a_token(

@@ -181,6 +181,7 @@ class CallPipeline:
             prompt_ids=prompt.prompt_ids,
             sampling=sampling,
             partial_rollout=self.config.partial_rollout,
+            stall_s=self.config.replica_stall_s,
             stop=StopScanner(as_list(stop), self._decode, self.renderer.silent_token_ids)
             if stop
             else None,

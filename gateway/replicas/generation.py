@@ -117,6 +117,12 @@ def _labelled_versions(chunk: ReplicaChunk, n: int) -> list[int] | None:
     return out if len(out) == n else None
 
 
+def _hung(replica: ReplicaClient, stall_s: float) -> ReplicaUnavailable:
+    return ReplicaUnavailable(
+        f"{replica.url}: sent nothing for {stall_s:.0f}s and failed its health check"
+    )
+
+
 class CallGenerator:
     def __init__(
         self,
@@ -128,6 +134,7 @@ class CallGenerator:
         sampling: dict[str, Any],
         partial_rollout: bool = True,
         stop: StopWatch | None = None,
+        stall_s: float = 0.0,
     ) -> None:
         self._gate = gate
         self._pool = pool
@@ -138,6 +145,7 @@ class CallGenerator:
         self._partial_rollout = partial_rollout
         self._constrained = "structured_outputs" in sampling
         self._stop = stop
+        self._stall_s = stall_s
         self.sampled = Sampled()
         self.finished = False
 
@@ -321,7 +329,12 @@ class CallGenerator:
         segment.task = task
         try:
             while True:
-                arrived = [await queue.get()]
+                first = await self._next_or_hung(queue, replica)
+                if first is None:  # the replica hangs: the call goes on elsewhere
+                    task.remove_done_callback(ended)
+                    yield [_SegmentEnd("replica_failed", _hung(replica, self._stall_s))]
+                    return
+                arrived = [first]
                 while not queue.empty():
                     arrived.append(queue.get_nowait())
                 yield arrived
@@ -331,3 +344,19 @@ class CallGenerator:
             if not task.done():
                 task.cancel()
             await asyncio.wait([task])
+
+    async def _next_or_hung(
+        self, queue: asyncio.Queue[ReplicaChunk | _SegmentEnd], replica: ReplicaClient
+    ) -> ReplicaChunk | _SegmentEnd | None:
+        """The segment's next item, or None once its replica is found hanging: silent for
+        `stall_s` while the gateway serves, then not answering its health check. A replica
+        that answers is only slow (queued requests, a long prefill) and is waited on; one the
+        gateway holds paused (a `keep` sync freezes its requests) is not checked at all."""
+        while True:
+            if self._stall_s <= 0:
+                return await queue.get()
+            try:
+                return await asyncio.wait_for(queue.get(), self._stall_s)
+            except TimeoutError:
+                if self._gate.state == "serving" and not await replica.healthy():
+                    return None

@@ -185,7 +185,13 @@ class ReplicaPool:
         # interval (and an agent's failed call) to leave the rotation.
         while True:
             for replica in list(self._replicas.values()):
-                ok = await replica.client.healthy()
+                try:
+                    ok = await replica.client.healthy()
+                except Exception:
+                    # Whatever one replica does, the loop goes on for all of them: a check
+                    # that raises is a failed check.
+                    log.exception("health check of %s raised", replica.client.url)
+                    ok = False
                 if ok and not replica.healthy:
                     replica.failures = 0
                     replica.healthy = True
