@@ -321,6 +321,54 @@ class MetricsSection(BaseModel):
     )
 
 
+class RaySection(BaseModel):
+    """Where `launcher: ray` places the run's parts, and what each takes of the cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+    address: str | None = Field(
+        default=None,
+        description="The Ray cluster to join, as its GCS address `host:6379` (`auto`: the one "
+        "`ray start` runs on this machine); run `lockgate train` on one of its nodes. Unset: "
+        "$RAY_ADDRESS when set, else a local cluster started for the run and stopped with it.",
+    )
+    num_cpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="Logical CPUs of a local cluster started for the run (unset: this machine's).",
+    )
+    namespace: str = Field(
+        default="lockgate", min_length=1, description="Ray namespace of the run's named actors."
+    )
+    replica_cpus: float = Field(default=1.0, gt=0, description="CPUs per replica (its bundle).")
+    replica_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (its bundle).")
+    trainer_cpus: float = Field(default=1.0, gt=0, description="CPUs per trainer rank.")
+    trainer_gpus: float = Field(default=0.0, ge=0, description="GPUs per trainer rank.")
+    placement_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Wait this long for Ray to place a placement group; then a clear error.",
+    )
+    replace_replicas: bool = Field(
+        default=True,
+        description="Replace a replica whose actor dies (killed, node lost) with a new one at "
+        "the served weights, while the run goes on with the others.",
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for every actor the run starts, and so every replica "
+        "and trainer rank (e.g. HF_HOME on the nodes).",
+    )
+
+    @model_validator(mode="after")
+    def _num_cpus_of_a_local_cluster(self) -> RaySection:
+        if self.address is not None and self.num_cpus is not None:
+            raise ValueError(
+                "num_cpus sizes a local cluster started for the run; a cluster at `address` "
+                "has the CPUs its nodes declare (ray start --num-cpus)"
+            )
+        return self
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(default="run", description="Run name; the run dir defaults to runs/<name>.")
@@ -334,6 +382,30 @@ class RunConfig(BaseModel):
     loop: LoopSection = Field(default_factory=LoopSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    launcher: Literal["local", "ray"] = Field(
+        default="local",
+        description="local: every part on this machine; ray: replicas and trainer ranks placed "
+        "on a Ray cluster (the `ray` section), the gateway and the loop here (docs/deploy.md).",
+    )
+    ray: RaySection = Field(default_factory=RaySection)
+
+    @model_validator(mode="after")
+    def _ray_starts_its_parts(self) -> RunConfig:
+        if self.launcher == "ray":
+            given = [
+                option
+                for option, value in (
+                    ("replicas.urls", self.replicas.urls),
+                    ("gateway.url", self.gateway.url),
+                )
+                if value
+            ]
+            if given:
+                raise ValueError(
+                    f"launcher: ray places the replicas and starts the gateway itself; "
+                    f"{' and '.join(given)} name parts started elsewhere (use launcher: local)"
+                )
+        return self
 
 
 def env_overrides(environ: Mapping[str, str]) -> list[str]:

@@ -16,11 +16,12 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
-from lockgate.coordinator.deploy_checks import ExternalGateway, check_run_parts
+from lockgate.coordinator.deploy_checks import DeployError, ExternalGateway, check_run_parts
 from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
@@ -40,6 +41,9 @@ from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.tiny_model import ensure_tiny_model
+
+if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
+    from lockgate.coordinator.ray_launch import RayParts
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +128,23 @@ def _validation_gateway(training: GatewayConfig, run_dir: Path) -> GatewayProces
 
 
 def _replica_urls(
-    config: RunConfig, model_dir: Path, run_dir: Path, stack: contextlib.ExitStack
+    config: RunConfig,
+    model_dir: Path,
+    run_dir: Path,
+    stack: contextlib.ExitStack,
+    ray_parts: RayParts | None,
 ) -> list[str]:
-    """The replicas the config names, or local ones started now (stopped by `stack`)."""
+    """The replicas the config names, or ones started now (stopped by `stack`): on Ray with
+    `ray_parts`, else on this machine."""
     urls = config.replicas.urls
-    if not urls:
+    if ray_parts is not None:
+        _say(
+            f"starting {config.replicas.count} vLLM replica(s) on Ray (logs in {run_dir / 'logs'})"
+        )
+        urls = ray_parts.start_replicas(
+            replica_launch_config_of(config, model_dir, run_dir / "logs")
+        )
+    elif not urls:
         _say(f"starting {config.replicas.count} vLLM replica(s) (logs in {run_dir / 'logs'})")
         replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, run_dir / "logs"))
         stack.callback(replicas.stop)
@@ -145,6 +161,7 @@ def _gateway(
     model_dir: Path,
     run_dir: Path,
     stack: contextlib.ExitStack,
+    ray_parts: RayParts | None,
 ) -> tuple[str, str, GatewayConfig]:
     """The gateway's URL and admin token, and the config of a gateway like it (validation's
     starts from it): the one at `gateway.url`, or one started now on the run's replicas."""
@@ -156,7 +173,7 @@ def _gateway(
             config, model_dir, external.replica_urls, run_dir, external.admin_token
         )
         return external.url, external.admin_token, like
-    urls = _replica_urls(config, model_dir, run_dir, stack)
+    urls = _replica_urls(config, model_dir, run_dir, stack, ray_parts)
     admin_token = admin_token_of(config.gateway) or new_admin_token()
     gateway_config = gateway_config_of(config, model_dir, urls, run_dir, admin_token)
     gateway = GatewayProcess(
@@ -210,6 +227,27 @@ async def _run_loop(
             metrics.close()
 
 
+def _ray_parts(
+    config: RunConfig, trainer_config: TrainerConfig, stack: contextlib.ExitStack
+) -> RayParts | None:
+    """With `launcher: ray`, the run's hold on the cluster: both placement groups reserved
+    (a `DeployError` naming the part when they do not fit), let go of by `stack`."""
+    if config.launcher != "ray":
+        return None
+    try:
+        from lockgate.coordinator.ray_launch import RayParts
+    except ImportError as exc:
+        raise DeployError(
+            f"launcher: ray needs the ray package ({exc}): pip install 'lockgate[ray]'"
+        ) from None
+    parts = RayParts(config, trainer_config)
+    stack.callback(parts.close)
+    parts.reserve()
+    # ray.init installs a SIGTERM handler of its own in the driver; ours stops the run cleanly.
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    return parts
+
+
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     """Run `config`; with `resume`, continue the run in its run dir from its newest checkpoint."""
     # Bad deploy input (model dir, ports, the replicas or gateway given by URL) fails here,
@@ -237,12 +275,16 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         close_env = getattr(env, "close", None)
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
+        ray_parts = _ray_parts(config, trainer_config, stack)
         gateway_url, admin_token, gateway_config = _gateway(
-            config, external, model_dir, run_dir, stack
+            config, external, model_dir, run_dir, stack, ray_parts
         )
         _say(f"starting {trainer_config.world_size} trainer rank(s)")
-        trainer = TrainerProcess(
-            trainer_config, run_dir / "trainer", log_path=run_dir / "logs" / "trainer.log"
+        trainer_dir, trainer_log = run_dir / "trainer", run_dir / "logs" / "trainer.log"
+        trainer = (
+            TrainerProcess(trainer_config, trainer_dir, log_path=trainer_log)
+            if ray_parts is None
+            else ray_parts.trainer(trainer_dir, trainer_log)
         )
         stack.callback(trainer.stop)
         trainer.start()
@@ -252,6 +294,10 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             val_gateway = _validation_gateway(gateway_config, run_dir)
             stack.callback(val_gateway.stop)
             val_gateway.start()
+        if ray_parts is not None:
+            gateways = [gateway_url] + ([val_gateway.url] if val_gateway is not None else [])
+            ray_parts.supervise(gateways, admin_token, trainer.snapshot_dir)
+            stack.callback(ray_parts.stop_supervising)
         sinks = open_sinks(
             config.metrics,
             run_dir,

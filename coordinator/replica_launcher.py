@@ -88,7 +88,45 @@ class Replica:
     proc: subprocess.Popen[bytes]
 
 
-def _usable_cpus() -> list[int]:
+def replica_command(c: ReplicaLaunchConfig, host: str, port: int) -> list[str]:
+    """The vLLM server command of one replica listening on `host:port` (here or on a Ray node)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(c.model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        c.dtype,
+        "--max-model-len",
+        str(c.max_model_len),
+        "--enable-scale-out",
+        *(["--worker-extension-cls", SNAPSHOT_LOAD_EXTENSION] if c.snapshot_load else []),
+        *(["--middleware", REPLICA_ROUTES] if c.pause_route else []),
+        *c.extra_args,
+    ]
+
+
+def replica_environment(c: ReplicaLaunchConfig, cpu_bind: str) -> dict[str, str]:
+    """The environment of one replica's server, its OpenMP threads bound to `cpu_bind`."""
+    return {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        # Without an explicit size vLLM-CPU wants most of the NUMA node's memory free, so a
+        # second replica on the same machine would fail to start.
+        "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_bind,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **(KEEP_FREED_MEMORY if c.keep_freed_memory else {}),
+    }
+
+
+def usable_cpus() -> list[int]:
     # os.cpu_count() counts the host's CPUs; in a container or under taskset only the affinity
     # set can be bound, and binding outside it makes the vLLM worker fail at startup.
     try:
@@ -97,7 +135,37 @@ def _usable_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _await_group_exit(pgid: int, timeout_s: float = _GROUP_EXIT_S) -> None:
+def wait_serving(replicas: list[Replica], timeout_s: float) -> None:
+    """Return once every replica answers /health; `ReplicaStartError` (with its log's tail)
+    when one exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(replicas)
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            for replica in list(pending):
+                code = replica.proc.poll()
+                if code is not None:
+                    raise ReplicaStartError(
+                        f"replica {replica.index} ({replica.url}) exited with code {code} "
+                        f"before serving; log {replica.log_path}:\n{log_tail(replica.log_path)}"
+                    )
+                try:
+                    if client.get(f"{replica.url}/health").status_code == 200:
+                        pending.remove(replica)
+                except httpx.TransportError:
+                    pass
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                replica = pending[0]
+                raise ReplicaStartError(
+                    f"replica {replica.index} ({replica.url}) did not serve within "
+                    f"{timeout_s:.0f}s; log {replica.log_path}:\n{log_tail(replica.log_path)}"
+                )
+            time.sleep(_POLL_S)
+
+
+def await_group_exit(pgid: int, timeout_s: float = _GROUP_EXIT_S) -> None:
     # vLLM's engine core and worker outlive the server process by a moment and, orphaned, wait
     # to be reaped by init; until then the group still exists. Waiting here lets callers rely
     # on "stop() returned, so nothing of the replica is left". Bounded, as an init that never
@@ -128,39 +196,10 @@ class LocalReplicaSet:
         return [r.url for r in self._replicas]
 
     def command(self, port: int) -> list[str]:
-        c = self.config
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(c.model_dir),
-            "--host",
-            c.host,
-            "--port",
-            str(port),
-            "--dtype",
-            c.dtype,
-            "--max-model-len",
-            str(c.max_model_len),
-            "--enable-scale-out",
-            *(["--worker-extension-cls", SNAPSHOT_LOAD_EXTENSION] if c.snapshot_load else []),
-            *(["--middleware", REPLICA_ROUTES] if c.pause_route else []),
-            *c.extra_args,
-        ]
+        return replica_command(self.config, self.config.host, port)
 
     def environment(self, cpu_bind: str) -> dict[str, str]:
-        return {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            # Without an explicit size vLLM-CPU wants most of the NUMA node's memory free, so a
-            # second replica on the same machine would fail to start.
-            "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            **(KEEP_FREED_MEMORY if self.config.keep_freed_memory else {}),
-        }
+        return replica_environment(self.config, cpu_bind)
 
     def _ports(self) -> list[int]:
         c = self.config
@@ -179,7 +218,7 @@ class LocalReplicaSet:
         if self._replicas:
             raise RuntimeError("this replica set has already been started")
         c = self.config
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         binds = c.cpu_binds or [str(cpus[i % len(cpus)]) for i in range(c.count)]
         # All spawned before any is waited on: model loading dominates and runs in parallel.
         try:
@@ -201,32 +240,7 @@ class LocalReplicaSet:
             raise
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        pending = list(self._replicas)
-        with httpx.Client(timeout=2.0) as client:
-            while pending:
-                for replica in list(pending):
-                    code = replica.proc.poll()
-                    if code is not None:
-                        raise ReplicaStartError(
-                            f"replica {replica.index} ({replica.url}) exited with code {code} "
-                            f"before serving; log {replica.log_path}:\n{log_tail(replica.log_path)}"
-                        )
-                    try:
-                        if client.get(f"{replica.url}/health").status_code == 200:
-                            pending.remove(replica)
-                    except httpx.TransportError:
-                        pass
-                if not pending:
-                    return
-                if time.monotonic() >= deadline:
-                    replica = pending[0]
-                    raise ReplicaStartError(
-                        f"replica {replica.index} ({replica.url}) did not serve within "
-                        f"{self.config.startup_timeout_s:.0f}s; log {replica.log_path}:\n"
-                        f"{log_tail(replica.log_path)}"
-                    )
-                time.sleep(_POLL_S)
+        wait_serving(self._replicas, self.config.startup_timeout_s)
 
     def stop(self) -> None:
         """Stop every replica and whatever it started; safe to call more than once."""
@@ -238,7 +252,7 @@ class LocalReplicaSet:
         for replica in live:
             terminate(replica.proc, grace_s=_STOP_GRACE_S)
         for replica in live:
-            _await_group_exit(replica.proc.pid)
+            await_group_exit(replica.proc.pid)
             self._stopped.add(replica.index)
 
     def kill(self, index: int) -> None:
@@ -249,7 +263,7 @@ class LocalReplicaSet:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(replica.proc.pid, signal.SIGKILL)
         replica.proc.wait(timeout=10.0)
-        _await_group_exit(replica.proc.pid)
+        await_group_exit(replica.proc.pid)
         self._stopped.add(index)
 
     def __enter__(self) -> Self:

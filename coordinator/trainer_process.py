@@ -50,6 +50,10 @@ class TrainerError(RuntimeError):
 
 
 class TrainerProcess:
+    """The trainer ranks under torchrun on this machine. Subclasses place them elsewhere (Ray:
+    coordinator/ray_trainer.py) by overriding `_launch`, `_exit_code` and `_shutdown`; the file
+    protocol, and so the loop's view of the trainer, stays the same."""
+
     def __init__(
         self,
         config: TrainerConfig,
@@ -72,13 +76,7 @@ class TrainerProcess:
             (self.run_dir / name).unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
-        self._proc = spawn_ranks(
-            "lockgate.trainer.main",
-            ["--run-dir", str(self.run_dir)],
-            world_size=self.config.world_size,
-            num_threads=self.config.num_threads,
-            log_path=self.log_path,
-        )
+        self._launch()
         deadline = time.monotonic() + self.startup_timeout_s
         while not (self.run_dir / protocol.READY).exists():
             self._check_alive()
@@ -88,6 +86,34 @@ class TrainerProcess:
                     f"trainer not ready after {self.startup_timeout_s:.0f}s:\n{log_tail(self.log_path)}"
                 )
             time.sleep(0.1)
+
+    def _launch(self) -> None:
+        """Start every rank of `lockgate.trainer.main` on this run dir."""
+        self._proc = spawn_ranks(
+            "lockgate.trainer.main",
+            ["--run-dir", str(self.run_dir)],
+            world_size=self.config.world_size,
+            num_threads=self.config.num_threads,
+            log_path=self.log_path,
+        )
+
+    def _started(self) -> bool:
+        return self._proc is not None
+
+    def _exit_code(self) -> int | None:
+        """None while the ranks run; else the exit code of the first one known to have ended."""
+        assert self._proc is not None
+        return self._proc.poll()
+
+    def _shutdown(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the ranks to exit after STOP, then kill what is left."""
+        proc, self._proc = self._proc, None
+        assert proc is not None
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        terminate(proc)
 
     def resumed_step(self) -> int:
         """The step whose checkpoint the trainer resumed from; 0 for a fresh start.
@@ -103,14 +129,13 @@ class TrainerProcess:
         return protocol.snapshot_dir(self.run_dir, step)
 
     def _check_alive(self) -> None:
-        if self._proc is None:
+        if not self._started():
             raise TrainerError("trainer not started")
-        if self._proc.poll() is not None:
+        code = self._exit_code()
+        if code is not None:
             failed = self.run_dir / protocol.FAILED
             why = f" ({failed.read_text().strip()})" if failed.exists() else ""
-            raise TrainerError(
-                f"trainer exited with code {self._proc.returncode}{why}:\n{log_tail(self.log_path)}"
-            )
+            raise TrainerError(f"trainer exited with code {code}{why}:\n{log_tail(self.log_path)}")
 
     async def train_step(self, batch: TrainBatch) -> StepResult:
         protocol.write_atomic(
@@ -141,12 +166,7 @@ class TrainerProcess:
 
     def stop(self, grace_s: float = 60.0) -> None:
         # The grace covers the last step's checkpoint, written once STOP follows its commit.
-        proc, self._proc = self._proc, None
-        if proc is None:
+        if not self._started():
             return
         protocol.write_atomic(self.run_dir / protocol.STOP, "")
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        terminate(proc)
+        self._shutdown(grace_s)
