@@ -501,6 +501,7 @@ def test_launcher_shuts_the_server_down(service: RetrievalService, tmp_path: Pat
         assert pid is not None and second.url != service.url
         assert httpx.get(f"{second.url}/health", timeout=10).status_code == 200
         url = second.url
+    assert second.exit_code == 0  # a clean shutdown on SIGTERM, not a death by it (-15)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the process group is gone, not only the leader
     with pytest.raises(httpx.TransportError):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -100,6 +102,15 @@ class _AnnouncingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             print(self.url, flush=True)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # SIGTERM or Ctrl-C asked for the shutdown just done: the service exits 0, as
+            # stopped services should (uvicorn raises the signal again, which exits -15 and
+            # reads as a crash to compose and to the launcher).
+            self._captured_signals.clear()
 
 
 async def _serve(index: BM25Index, sock: socket.socket, args: argparse.Namespace) -> None:

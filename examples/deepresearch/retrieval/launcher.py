@@ -56,6 +56,8 @@ class RetrievalService:
         self.extra_args = list(extra_args or [])
         self._url: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        # How the child ended once stopped (0: it shut down cleanly on SIGTERM).
+        self.exit_code: int | None = None
         self._external = False
 
     @classmethod
@@ -145,6 +147,7 @@ class RetrievalService:
         """SIGTERM the service's process group, SIGKILL after the grace; idempotent."""
         if self._proc is not None:
             terminate(self._proc, grace_s=self.stop_grace_s)
+            self.exit_code = self._proc.returncode
             self._proc = None
         if not self._external:
             self._url = None
