@@ -49,6 +49,13 @@ class RequestLimits(BaseModel):
         "time before any check on its size can run).",
     )
     max_tools: int = Field(default=128, ge=0, description="Most tools a chat call may offer.")
+    max_json_values: int = Field(
+        default=262_144,
+        ge=0,
+        description="Most JSON values (about: commas and opening brackets are counted, also in "
+        "strings) a chat or completions body over 256 KiB may hold; more is a 413 before it is "
+        "parsed, since parsing holds the event loop (~0.14 us a value). 0: no bound.",
+    )
     max_prompt_chars_per_token: float = Field(
         default=16.0,
         gt=0,

@@ -462,6 +462,28 @@ async def test_an_oversize_body_is_refused_at_once_and_holds_no_other_request(
     _report(f"while a {size // MIB} MB body was sent", times)
 
 
+async def test_a_body_of_a_million_tiny_values_is_refused_unparsed_holding_no_other_request(
+    served: Served, client: httpx.AsyncClient
+) -> None:
+    # Under the byte limit, but orjson took 280 ms (holding the GIL, so the event loop) to parse
+    # it: it is counted and refused instead.
+    chat_url = await _session_url(client)
+    values = b",".join([b'{"a":1}'] * 1_000_000)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": [' + values
+    body += b"]}}"
+    assert len(body) < 8 * MIB
+    big = asyncio.create_task(
+        _raw_post(served.port, chat_url, lambda: iter([body]), length=len(body))
+    )
+    times = await _probe_while(big, client, chat_url)
+    answer = await big
+    print(f"\n{len(body) / MIB:.1f} MiB of tiny values: 413 after {1000 * answer.seconds:.1f} ms")
+    assert answer.status == 413
+    assert answer.body["error"]["code"] == "request_too_large"
+    assert "JSON values" in answer.body["error"]["message"]
+    _report("while a body of a million tiny values was refused", times)
+
+
 async def test_a_declared_oversize_body_is_refused_before_it_arrives(
     served: Served, client: httpx.AsyncClient
 ) -> None:

@@ -32,7 +32,7 @@ from lockgate.gateway.store.trajectories import SessionRow
 
 def read_request(body: bytes, config: GatewayConfig) -> tuple[dict[str, Any], CompletionRequest]:
     """The body as sent and validated, its bounds checked first (bounds.py)."""
-    raw = parse_json(body)
+    raw = parse_json(body, config.limits.max_json_values)
     check_completion_body(raw, config)
     return raw, validate(CompletionRequest, raw)
 

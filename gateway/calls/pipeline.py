@@ -126,7 +126,7 @@ class CallPipeline:
     async def prepare_chat(self, session: SessionRow, body: bytes) -> ChatCall:
         if session.status != "open":
             raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
-        raw = parse_json(body)
+        raw = parse_json(body, self.config.limits.max_json_values)
         check_chat_body(raw, self.config.limits)
         req = validate(ChatCompletionRequest, raw)
         _refuse_unsupported(req)
