@@ -55,7 +55,13 @@ class PauseGate:
         self.interruptions = 0  # segments cut by syncs, since start
         self.tokens_kept = 0  # tokens those segments had produced (all kept)
         self._max_wait_s = max_wait_s
-        self._cond = asyncio.Condition()
+        # An event, not a condition: a condition's waiters wake one per loop iteration (each
+        # takes its lock in turn), so resuming N waiting calls took ~3N iterations of a loop
+        # that was busy with everything else, and a pause right after queued behind them
+        # (seconds at 900 waiting calls, benchmarks/README.md "Scale simulation"). An event
+        # wakes them all at once; each checks the state again when it runs.
+        self._serving = asyncio.Event()
+        self._serving.set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -65,22 +71,22 @@ class PauseGate:
 
     async def admit(self) -> tuple[Segment, int]:
         """Wait until serving, then register a segment; returns it with the serving version."""
-        async with self._cond:
-            if self.state != "serving":
-                self.waiting += 1
-                started = time.monotonic()
-                try:
-                    await asyncio.wait_for(
-                        self._cond.wait_for(lambda: self.state == "serving"), self._max_wait_s
-                    )
-                except TimeoutError as exc:
-                    raise PausedTooLong(time.monotonic() - started) from exc
-                finally:
-                    self.waiting -= 1
-            segment = Segment(request_id=f"lg-{uuid.uuid4().hex}", version=self.version)
-            self.segments[segment.request_id] = segment
-            self._idle.clear()
-            return segment, self.version
+        if self.state != "serving":
+            self.waiting += 1
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(self._max_wait_s):
+                    # Serving may have ended again before this call ran: wait once more.
+                    while self.state != "serving":
+                        await self._serving.wait()
+            except TimeoutError as exc:
+                raise PausedTooLong(time.monotonic() - started) from exc
+            finally:
+                self.waiting -= 1
+        segment = Segment(request_id=f"lg-{uuid.uuid4().hex}", version=self.version)
+        self.segments[segment.request_id] = segment
+        self._idle.clear()
+        return segment, self.version
 
     def end(self, segment: Segment) -> None:
         self.segments.pop(segment.request_id, None)
@@ -92,11 +98,13 @@ class PauseGate:
         self.tokens_kept += tokens
 
     async def set_state(self, state: State, version: int | None = None) -> None:
-        async with self._cond:
-            self.state = state
-            if version is not None:
-                self.version = version
-            self._cond.notify_all()
+        self.state = state
+        if version is not None:
+            self.version = version
+        if state == "serving":
+            self._serving.set()
+        else:
+            self._serving.clear()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no segment is in flight; False on timeout."""

@@ -1,10 +1,17 @@
 """Which replica serves a call (pure policy, no I/O).
 
 Sticky per session so a session's growing prefix stays in one replica's prefix cache; but a
-sticky replica that is unhealthy, or busier than the least-loaded healthy one by more than
-`max_imbalance` calls, loses the session to the least-loaded one. Between replicas equally busy
-right now, the one holding fewer sessions wins: a burst of new sessions arrives before any of
-their calls is in flight, and would otherwise all land on the same replica.
+sticky replica that is unhealthy, or overloaded, loses the session to the least-loaded one.
+Overloaded is busier than the least-loaded healthy replica by more than `max_imbalance` calls
+*and* more than `max_ratio` times the other replicas' mean. The least-loaded of many replicas is
+an extreme draw: agents think between calls, so each replica's in-flight count swings by a few
+calls, and the quietest of 64 sits far below the rest. Against it alone a bound of a few calls
+moved one session in ten at 16 replicas and 500 sessions (benchmarks/scale_simulation.py), each
+move a full re-prefill of the session's history elsewhere, to dodge a queue that a continuous
+batch barely feels. The mean moves little; a replica really carrying twice its share still
+sheds sessions. Between replicas equally busy right now, the one holding fewer sessions wins: a
+burst of new sessions arrives before any of their calls is in flight, and would otherwise all
+land on the same replica.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ def choose_replica(
     sticky: str | None,
     *,
     max_imbalance: int = 4,
+    max_ratio: float = 2.0,
     exclude: frozenset[str] = frozenset(),
 ) -> str | None:
     candidates = [r for r in replicas if r.healthy and r.url not in exclude]
@@ -34,6 +42,10 @@ def choose_replica(
     least = min(candidates, key=lambda r: (r.in_flight, r.sessions, r.url))
     if sticky is not None:
         for r in candidates:
-            if r.url == sticky and r.in_flight <= least.in_flight + max_imbalance:
-                return r.url
+            if r.url == sticky:
+                if r.in_flight <= least.in_flight + max_imbalance:
+                    return r.url
+                others = sum(c.in_flight for c in candidates) - r.in_flight
+                if r.in_flight <= max_ratio * others / (len(candidates) - 1):
+                    return r.url
     return least.url
