@@ -20,7 +20,8 @@ from lockgate.coordinator.deploy_commands import (
     overrides_with_env,
     run_deploy_command,
 )
-from lockgate.coordinator.gateway_process import GatewayStartError
+from lockgate.coordinator.gateway_process import GatewayDied, GatewayStartError
+from lockgate.coordinator.part_configs import run_dir_of
 from lockgate.coordinator.replica_launcher import ReplicaStartError
 from lockgate.coordinator.view_command import add_view_parser, run_view
 from lockgate.trainer.protocol import write_atomic
@@ -294,12 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir is not None:
         config.run_dir = args.run_dir
 
-    from lockgate.coordinator.launch import train  # heavy imports only when training
+    from lockgate.coordinator.launch import RunStopped, train  # heavy: only when training
 
     try:
         summary = train(config, resume=args.resume is not None)
     except KeyboardInterrupt:
-        return _error("interrupted; all processes stopped")
+        # 128 + SIGINT, as a shell reports a command Ctrl-C ended (and `lockgate sft` does).
+        return _error(
+            f"interrupted; all processes stopped (continue with: lockgate train --resume "
+            f"{run_dir_of(config)})",
+            130,
+        )
+    except (GatewayDied, RunStopped) as exc:
+        return _error(str(exc), 1)
     except DeployError as exc:  # bad deploy input, found before anything started
         return _error(str(exc))
     except (ReplicaStartError, GatewayStartError) as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,10 @@ from lockgate.gateway.config import GatewayConfig
 
 class GatewayStartError(RuntimeError):
     pass
+
+
+class GatewayDied(RuntimeError):
+    """A gateway the run started exited mid-run; the message is one line for the operator."""
 
 
 class GatewayProcess:
@@ -39,6 +45,10 @@ class GatewayProcess:
     def process(self) -> subprocess.Popen[bytes] | None:
         """The gateway's process while started."""
         return self._proc
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout_s: float = 60.0) -> None:
         config_path = self.run_dir / f"{self.name}_config.json"
@@ -73,6 +83,32 @@ class GatewayProcess:
         raise GatewayStartError(
             f"the gateway did not serve within {timeout_s:.0f}s:\n{log_tail(self.log_path)}"
         )
+
+    def died(self) -> GatewayDied | None:
+        """What to tell the operator if the started gateway has exited; None while it runs."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return None
+        code = proc.returncode
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code < 0
+            else f"exited with code {code}"
+        )
+        # Calls are committed before they are answered (gateway/store), so the store holds
+        # every answered call and the newest checkpoint is a sound place to go on from.
+        return GatewayDied(
+            f"the {self.name} (pid {proc.pid}) {how} mid-run; the run stopped. Every call it "
+            f"answered is in {self.config.db_path}; continue with: lockgate train --resume "
+            f"{self.run_dir} (log: {self.log_path})"
+        )
+
+    async def watch(self, poll_s: float = 0.5) -> None:
+        """Raise `GatewayDied` once the started gateway exits (run beside the loop)."""
+        # A child's exit is no asyncio event (the loop has no child watcher for Popen): poll.
+        while (dead := self.died()) is None:  # noqa: ASYNC110
+            await asyncio.sleep(poll_s)
+        raise dead
 
     def stop(self) -> None:
         if self._proc is not None:

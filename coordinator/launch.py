@@ -14,15 +14,17 @@ import inspect
 import logging
 import signal
 import sys
+import time
+from collections.abc import Coroutine
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.deploy_checks import DeployError, ExternalGateway, check_run_parts
-from lockgate.coordinator.gateway_process import GatewayProcess
+from lockgate.coordinator.gateway_process import GatewayDied, GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
 from lockgate.coordinator.metric_sinks import MetricSink, check_sinks, open_sinks
@@ -35,10 +37,12 @@ from lockgate.coordinator.part_configs import (
     run_dir_of,
 )
 from lockgate.coordinator.replica_launcher import LocalReplicaSet
-from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess
 from lockgate.coordinator.validation import val_tasks_of
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
+from lockgate.trainer import protocol
+from lockgate.trainer.checkpoint import latest_checkpoint
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.tiny_model import ensure_tiny_model
 
@@ -48,6 +52,30 @@ if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on a failure the operator can act on; the message is one line."""
+
+
+def _trainer_stopped(
+    exc: BaseException, trainer: TrainerProcess, version: int
+) -> RunStopped | None:
+    """The one line for a trainer failure (a weight export that hit a full disk, a dead rank)
+    that the loop's task group wrapped; None for any other failure."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if not isinstance(exc, TrainerError):
+        return None
+    # The first line says which step, the last the cause (a traceback's exception line).
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    what = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+    latest = latest_checkpoint(protocol.checkpoints_dir(trainer.run_dir))
+    kept = f"newest checkpoint: step {latest[0]}" if latest else "no checkpoint yet"
+    return RunStopped(
+        f"{what}; the run stopped, the replicas still serve weights version {version} ({kept}); "
+        f"continue with: lockgate train --resume {trainer.run_dir.parent} (log: {trainer.log_path})"
+    )
 
 
 def _say(message: str) -> None:
@@ -162,9 +190,10 @@ def _gateway(
     run_dir: Path,
     stack: contextlib.ExitStack,
     ray_parts: RayParts | None,
-) -> tuple[str, str, GatewayConfig]:
-    """The gateway's URL and admin token, and the config of a gateway like it (validation's
-    starts from it): the one at `gateway.url`, or one started now on the run's replicas."""
+) -> tuple[str, str, GatewayConfig, GatewayProcess | None]:
+    """The gateway's URL and admin token, the config of a gateway like it (validation's
+    starts from it) and its process: the one at `gateway.url` (no process), or one started now
+    on the run's replicas."""
     if external is not None:
         _say(
             f"using the gateway at {external.url} and its replicas: {', '.join(external.replica_urls)}"
@@ -172,7 +201,7 @@ def _gateway(
         like = gateway_config_of(
             config, model_dir, external.replica_urls, run_dir, external.admin_token
         )
-        return external.url, external.admin_token, like
+        return external.url, external.admin_token, like, None
     urls = _replica_urls(config, model_dir, run_dir, stack, ray_parts)
     admin_token = admin_token_of(config.gateway) or new_admin_token()
     gateway_config = gateway_config_of(config, model_dir, urls, run_dir, admin_token)
@@ -181,8 +210,46 @@ def _gateway(
     )
     stack.callback(gateway.stop)
     gateway.start(config.gateway.startup_timeout_s)
-    _say(f"gateway serving at {gateway.url}")
-    return gateway.url, admin_token, gateway_config
+    _say(f"gateway serving at {gateway.url} (pid {gateway.pid})")
+    return gateway.url, admin_token, gateway_config, gateway
+
+
+def _dead_gateway(gateways: list[GatewayProcess]) -> GatewayDied | None:
+    return next((d for g in gateways if (d := g.died()) is not None), None)
+
+
+async def _watched(
+    run: Coroutine[Any, Any, RunSummary], gateways: list[GatewayProcess]
+) -> RunSummary:
+    """`run`, stopped with a `GatewayDied` as soon as one of the run's gateways exits.
+
+    Alone, the loop would only see its calls fail: agents retry, a sync's pause fails with a
+    traceback, and a step can wait on rollouts that never end.
+    """
+    main = asyncio.ensure_future(run)
+    watchers = [asyncio.ensure_future(g.watch()) for g in gateways]
+    try:
+        await asyncio.wait([main, *watchers], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in watchers:
+            task.cancel()
+        if not main.done():  # a gateway died, or Ctrl-C cancelled us: the loop stops too
+            main.cancel()
+        # Bounded: the loop's clean-up calls to a dead gateway must not hold the stop.
+        await asyncio.wait([main, *watchers], timeout=15.0)
+        if main.done() and not main.cancelled():
+            main.exception()  # retrieved: a failure while stopping is not logged as lost
+    dead = _dead_gateway(gateways)
+    if dead is None and main.done() and not main.cancelled() and main.exception() is not None:
+        # A killed gateway's sockets close a moment before its exit can be seen, so the loop's
+        # failed calls may come first: wait that moment out before blaming the loop.
+        deadline = time.monotonic() + 2.0
+        while dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            dead = _dead_gateway(gateways)
+    if dead is not None:
+        raise dead  # the loop's own failure, if any, is a consequence of it
+    return main.result()
 
 
 async def _run_loop(
@@ -196,9 +263,11 @@ async def _run_loop(
     validation_at: tuple[str, list[Task]] | None,
     state: LoopState | None,
     rewards: list[float],
+    gateways: list[GatewayProcess],
 ) -> RunSummary:
     """The training loop against the started processes (`validation_at`: the validation
-    gateway's URL and the held-out tasks, when validating)."""
+    gateway's URL and the held-out tasks, when validating), stopped if one of `gateways` (those
+    the run started) dies."""
     metrics = MetricsLog(run_dir / METRICS_FILE, config.loop.steps, sinks=sinks)
     async with contextlib.AsyncExitStack() as clients:
         clients.push_async_callback(close_shared_transport)
@@ -222,7 +291,13 @@ async def _run_loop(
                 validation=validation,
                 previous_rewards=rewards,
             )
-            return await loop.run()
+            try:
+                return await _watched(loop.run(), gateways)
+            except Exception as exc:
+                stopped = _trainer_stopped(exc, trainer, loop.version)
+                if stopped is None:
+                    raise
+                raise stopped from exc
         finally:
             metrics.close()
 
@@ -276,7 +351,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
         ray_parts = _ray_parts(config, trainer_config, stack)
-        gateway_url, admin_token, gateway_config = _gateway(
+        gateway_url, admin_token, gateway_config, gateway = _gateway(
             config, external, model_dir, run_dir, stack, ray_parts
         )
         _say(f"starting {trainer_config.world_size} trainer rank(s)")
@@ -327,6 +402,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 validation,
                 state,
                 rewards,
+                [g for g in (gateway, val_gateway) if g is not None],
             )
         )
         _say(

@@ -468,7 +468,12 @@ class TrainingLoop:
                 f"{self.version}: {exc.message}"
             ) from exc
         except BaseException:
-            await self.gateway.resume(self.version)
+            # Cancelled (Ctrl-C) mid-load: a replica may hold neither version, and the
+            # gateway's refusal to resume must not replace the stop with a traceback.
+            try:
+                await self.gateway.resume(self.version)
+            except GatewayClientError as exc:
+                log.warning("could not resume the gateway at version %d: %s", self.version, exc)
             raise
         if load.failed:
             self._counters["replicas_dropped"] += len(load.failed)
