@@ -42,7 +42,6 @@ from lockgate.coordinator.validation import val_tasks_of
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
 from lockgate.trainer import protocol
-from lockgate.trainer.checkpoint import latest_checkpoint
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.tiny_model import ensure_tiny_model
 
@@ -70,6 +69,10 @@ def _trainer_stopped(
     # The first line says which step, the last the cause (a traceback's exception line).
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     what = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+    # Imported here: trainer.checkpoint brings in torch, which loading an environment (this
+    # module) must not pay for.
+    from lockgate.trainer.checkpoint import latest_checkpoint
+
     latest = latest_checkpoint(protocol.checkpoints_dir(trainer.run_dir))
     kept = f"newest checkpoint: step {latest[0]}" if latest else "no checkpoint yet"
     return RunStopped(
