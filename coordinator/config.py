@@ -17,11 +17,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lockgate.coordinator.advantages import AdvantageEstimator
-from lockgate.gateway.config import RequestLimits, SamplingPolicy
+from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
 from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
 
-ADMIN_TOKEN_ENV = "LOCKGATE_ADMIN_TOKEN"
 # `LOCKGATE_<SECTION>__<FIELD>` (nesting by `__`) sets `section.field`, between the file and --set.
 ENV_PREFIX = "LOCKGATE_"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from lockgate.coordinator.processes import client_host, free_port, log_tail, spawn, terminate
-from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 
 
 class GatewayStartError(RuntimeError):
@@ -52,7 +53,8 @@ class GatewayProcess:
 
     def start(self, timeout_s: float = 60.0) -> None:
         config_path = self.run_dir / f"{self.name}_config.json"
-        config_path.write_text(self.config.model_dump_json(indent=2))
+        # The token goes through the child's environment: run dirs get copied and shared.
+        config_path.write_text(self.config.model_dump_json(indent=2, exclude={"admin_token"}))
         self._proc = spawn(
             [
                 sys.executable,
@@ -66,6 +68,7 @@ class GatewayProcess:
                 str(self.port),
             ],
             self.log_path,
+            env={**os.environ, ADMIN_TOKEN_ENV: self.config.admin_token},
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

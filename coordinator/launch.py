@@ -206,7 +206,8 @@ def _gateway(
         )
         return external.url, external.admin_token, like, None
     urls = _replica_urls(config, model_dir, run_dir, stack, ray_parts)
-    admin_token = admin_token_of(config.gateway) or new_admin_token()
+    given = admin_token_of(config.gateway)
+    admin_token = given or new_admin_token()
     gateway_config = gateway_config_of(config, model_dir, urls, run_dir, admin_token)
     gateway = GatewayProcess(
         gateway_config, run_dir, port=config.gateway.port, host=config.gateway.host
@@ -214,6 +215,11 @@ def _gateway(
     stack.callback(gateway.stop)
     gateway.start(config.gateway.startup_timeout_s)
     _say(f"gateway serving at {gateway.url} (pid {gateway.pid})")
+    # A made-up token is said once, here, and written nowhere: the viewer's link carries it.
+    if given:
+        _say(f"viewer: {gateway.url}/ui/ (admin token in ${config.gateway.admin_token_env})")
+    else:
+        _say(f"viewer: {gateway.url}/ui/?token={admin_token}")
     return gateway.url, admin_token, gateway_config, gateway
 
 

@@ -84,6 +84,11 @@ class RequestLimits(BaseModel):
     )
 
 
+# Where a gateway process started from a config file without `admin_token` reads it: the token
+# travels through the environment so that no file of a run dir holds it.
+ADMIN_TOKEN_ENV = "LOCKGATE_ADMIN_TOKEN"
+
+
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_dir: Path = Field(description="HF model dir; its tokenizer renders and parses chats.")

@@ -7,7 +7,7 @@ The routes (app.py and the route groups beside it) are thin wrappers around this
 from __future__ import annotations
 
 import asyncio
-import secrets
+import hmac
 import uuid
 
 import httpx
@@ -16,6 +16,12 @@ from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.api.chat import ChatAnswers
 from lockgate.gateway.api.loop_lag import LoopLagMonitor
 from lockgate.gateway.api.session_admission import SessionAdmission
+from lockgate.gateway.api.session_keys import (
+    SESSION_KEY_PREFIX,
+    key_digest,
+    new_session_key,
+    stored_digest,
+)
 from lockgate.gateway.calls.pipeline import CallPipeline
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.calls.samples import merge_calls
@@ -35,8 +41,6 @@ from lockgate.gateway.schema import (
 )
 from lockgate.gateway.store.trajectories import SessionRow, TrajectoryStore
 from lockgate.gateway.sync.controller import SyncController
-
-SESSION_KEY_PREFIX = "lg-sk-"
 
 
 class Gateway:
@@ -78,6 +82,7 @@ class Gateway:
 
     async def start(self) -> None:
         for row in await self.store.load_session_rows():
+            row.key_digest = stored_digest(row.key_digest)
             self._remember(row)
         # Label the replicas' engines with the version served, so the per-token version spans
         # vLLM returns agree with the gateway's from the first call (best effort: a replica that
@@ -105,17 +110,18 @@ class Gateway:
 
     def _remember(self, row: SessionRow) -> None:
         self._sessions[row.id] = row
-        self._by_key[row.api_key] = row.id
+        self._by_key[row.key_digest] = row.id
 
     # -- sessions -------------------------------------------------------------------------------
 
     async def create_session(self, body: CreateSession) -> CreatedSession:
         session_id = uuid.uuid4().hex
-        api_key = SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
+        api_key = new_session_key()
+        digest = key_digest(api_key)
         await self.store.create_session(
-            session_id, api_key, body.task_id, body.group_id, body.metadata
+            session_id, digest, body.task_id, body.group_id, body.metadata
         )
-        self._remember(SessionRow(session_id, api_key, "open"))
+        self._remember(SessionRow(session_id, digest, "open"))
         self.calls.begin_session(session_id)
         return CreatedSession(
             session_id=session_id, api_key=api_key, base_url=f"/sessions/{session_id}/v1"
@@ -128,7 +134,11 @@ class Gateway:
         key = bearer(authorization)
         # The session id in the path is the capability; a lockgate key for another session is
         # still refused so that one session's credentials never act on another.
-        if key is not None and key.startswith(SESSION_KEY_PREFIX) and key != row.api_key:
+        if (
+            key is not None
+            and key.startswith(SESSION_KEY_PREFIX)
+            and not hmac.compare_digest(key_digest(key), row.key_digest)
+        ):
             raise unauthorized("this API key belongs to a different session")
         return row
 
@@ -136,7 +146,7 @@ class Gateway:
         key = bearer(authorization)
         if key is None:
             raise unauthorized("missing API key: send 'Authorization: Bearer <session key>'")
-        session_id = self._by_key.get(key)
+        session_id = self._by_key.get(key_digest(key))
         if session_id is None:
             raise unauthorized("invalid API key: not a key of any session")
         return self._sessions[session_id]

@@ -38,7 +38,7 @@ MAX_BATCH = 512
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
-    api_key TEXT NOT NULL UNIQUE,
+    api_key TEXT NOT NULL UNIQUE,  -- the key's SHA-256 (session_keys.py); plain in old stores
     task_id TEXT NOT NULL,
     group_id TEXT,
     metadata TEXT NOT NULL,
@@ -106,11 +106,11 @@ def _unpack_floats(blob: bytes) -> list[float]:
 class SessionRow:
     """The few session fields the request path needs, cached in memory by the app."""
 
-    __slots__ = ("api_key", "id", "status")
+    __slots__ = ("id", "key_digest", "status")
 
-    def __init__(self, id: str, api_key: str, status: str) -> None:
+    def __init__(self, id: str, key_digest: str, status: str) -> None:
         self.id = id
-        self.api_key = api_key
+        self.key_digest = key_digest
         self.status = status
 
 
@@ -159,7 +159,7 @@ class TrajectoryStore:
     async def create_session(
         self,
         session_id: str,
-        api_key: str,
+        key_digest: str,
         task_id: str,
         group_id: str | None,
         metadata: dict[str, Any],
@@ -168,7 +168,7 @@ class TrajectoryStore:
             conn.execute(
                 "INSERT INTO sessions (id, api_key, task_id, group_id, metadata, status, created_at)"
                 " VALUES (?, ?, ?, ?, ?, 'open', ?)",
-                (session_id, api_key, task_id, group_id, json.dumps(metadata), time.time()),
+                (session_id, key_digest, task_id, group_id, json.dumps(metadata), time.time()),
             )
 
         await self._run(_insert)
