@@ -10,6 +10,12 @@ Estimators (`compute_advantages`):
 - dr_grpo: Dr. GRPO's advantage is grpo_no_std. Its other fix, removing the per-sequence
   length normalisation, is not an advantage at all: it is the trainer's loss aggregation
   `seq-mean-token-sum` (trainer/config.py, `loss_agg`).
+
+`weigh_negatives` then scales the advantages below zero (`loop.negative_advantage_weight`):
+1 is the estimator as it is; 0 reinforces only the rollouts better than their group (positive
+sample reinforcement, a filtered behaviour cloning). Pushing a small model's sampled tokens
+down spreads their mass over everything else, which raises its entropy; a weight below 1 keeps
+the update a sharpening of what worked.
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ def rloo_advantages(rewards: Sequence[float]) -> list[float]:
         return [0.0] * n
     total = sum(rewards)
     return [r - (total - r) / (n - 1) for r in rewards]
+
+
+def weigh_negatives(advantages: Sequence[float], weight: float) -> list[float]:
+    """The advantages with each negative one multiplied by `weight` (0..1)."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"the negative advantages' weight must be in [0, 1], not {weight}")
+    return [a if a >= 0 else a * weight for a in advantages]
 
 
 def compute_advantages(

@@ -208,6 +208,13 @@ class LoopSection(BaseModel):
         description="grpo (group mean/std), grpo_no_std, rloo (leave-one-out baseline) or "
         "dr_grpo (mean-centred; pair it with trainer.loss_agg=seq-mean-token-sum).",
     )
+    negative_advantage_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Scales the advantages below zero: 1 is the estimator as it is, 0 trains on "
+        "the rollouts better than their group only (coordinator/advantages.py).",
+    )
     rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
     val_every: int = Field(
         default=0,

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockgate.coordinator.advantages import AdvantageEstimator, compute_advantages
+from lockgate.coordinator.advantages import (
+    AdvantageEstimator,
+    compute_advantages,
+    weigh_negatives,
+)
 from lockgate.gateway.schema import SessionSamples
 from lockgate.trainer.batch import TrainSample
 
@@ -52,9 +56,9 @@ def drop_reason(group: Group, *, min_group_size: int, drop_zero_variance: bool) 
 
 
 def group_to_train_samples(
-    group: Group, *, estimator: AdvantageEstimator = "grpo"
+    group: Group, *, estimator: AdvantageEstimator = "grpo", negative_weight: float = 1.0
 ) -> list[TrainSample]:
-    advantages = compute_advantages(group.rewards, estimator)
+    advantages = weigh_negatives(compute_advantages(group.rewards, estimator), negative_weight)
     out: list[TrainSample] = []
     for rollout, adv in zip(group.rollouts, advantages, strict=True):
         for sample in rollout.samples.samples:

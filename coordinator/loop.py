@@ -319,7 +319,11 @@ class TrainingLoop:
         samples = [
             s
             for g in groups
-            for s in group_to_train_samples(g, estimator=self.config.advantage_estimator)
+            for s in group_to_train_samples(
+                g,
+                estimator=self.config.advantage_estimator,
+                negative_weight=self.config.negative_advantage_weight,
+            )
         ]
         versions = [v for g in groups for v in g.token_versions()]
         # The trainer at step k starts from weights version k-1: staleness counts versions behind.

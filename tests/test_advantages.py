@@ -11,7 +11,10 @@ from lockgate.coordinator.advantages import (
     AdvantageEstimator,
     compute_advantages,
     rloo_advantages,
+    weigh_negatives,
 )
+from lockgate.coordinator.groups import Group, Rollout, group_to_train_samples
+from lockgate.gateway.schema import SessionInfo, SessionSamples, TrainingSample
 
 CENTRING_ONLY: tuple[AdvantageEstimator, ...] = ("grpo_no_std", "dr_grpo")
 
@@ -54,3 +57,36 @@ def test_degenerate_groups_give_zero_advantages() -> None:
 def test_an_unknown_estimator_is_refused() -> None:
     with pytest.raises(ValueError, match="'ppo'; expected one of grpo, grpo_no_std, rloo, dr_grpo"):
         compute_advantages([1.0, 0.0], "ppo")  # type: ignore[arg-type]
+
+
+def test_weigh_negatives_scales_only_the_advantages_below_zero() -> None:
+    advantages = compute_advantages([1.0, 0.0, 0.0, 0.5], "grpo_no_std")  # 0.625, -0.375, ...
+    assert weigh_negatives(advantages, 1.0) == advantages
+    assert weigh_negatives(advantages, 0.0) == [0.625, 0.0, 0.0, 0.125]
+    assert weigh_negatives(advantages, 0.2) == pytest.approx([0.625, -0.075, -0.075, 0.125])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        weigh_negatives(advantages, 1.5)
+
+
+def test_a_groups_samples_carry_the_weighed_advantage_on_sampled_tokens_only() -> None:
+    group = _group_of_rewards([1.0, 0.0])
+    kept = group_to_train_samples(group, estimator="grpo_no_std", negative_weight=0.0)
+    assert [s.advantages for s in kept] == [[0.0, 0.5, 0.5], [0.0, 0.0, 0.0]]
+    both = group_to_train_samples(group, estimator="grpo_no_std")
+    assert [s.advantages for s in both] == [[0.0, 0.5, 0.5], [0.0, -0.5, -0.5]]
+
+
+def _group_of_rewards(rewards: list[float]) -> Group:
+    def rollout(reward: float) -> Rollout:
+        info = SessionInfo(
+            session_id="s", task_id="t", group_id="g", metadata={}, status="finished",
+            reward=reward, error=None, created_at=0.0, finished_at=0.0, num_calls=1,
+            rerender_splits=0,
+        )  # fmt: skip
+        sample = TrainingSample(
+            input_ids=[7, 8, 9], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, versions=[-1, 0, 0],
+            call_indices=[0],
+        )  # fmt: skip
+        return Rollout(reward, SessionSamples(session=info, samples=[sample], splits=0))
+
+    return Group("t", "g", 0, [rollout(r) for r in rewards])
