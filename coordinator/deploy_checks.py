@@ -4,8 +4,11 @@ fault (`replicas.urls: http://... did not answer ...`), never a hang or a traceb
 
 from __future__ import annotations
 
+import logging
+import secrets
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,9 @@ import httpx
 from lockgate.coordinator.config import GatewaySection, ReplicasSection, RunConfig
 from lockgate.coordinator.part_configs import admin_token_of
 from lockgate.gateway.schema import GatewayStatus
+from lockgate.gateway.vllm_ext.probe import PROBE_METHOD, PROBE_PREFIX
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 
@@ -109,6 +115,47 @@ def check_replicas(urls: list[str], timeout_s: float, option: str = "replicas.ur
                     "vLLM server started with VLLM_SERVER_DEV_MODE=1, so weights cannot be "
                     "synced to it (`lockgate replicas` starts suitable ones)"
                 )
+
+
+def check_replicas_read(directory: Path, urls: Sequence[str], option: str = "run_dir") -> None:
+    """That every replica reads what this process writes in `directory`, where the trainer's
+    weight snapshots will be (the disk transport: trainer and replicas share a volume at the
+    same path). A replica without lockgate's worker extension cannot be asked, and is skipped
+    with a warning."""
+    directory.mkdir(parents=True, exist_ok=True)
+    content = secrets.token_hex(16)
+    probe = directory / f"{PROBE_PREFIX}{content}"
+    probe.write_text(content)
+    try:
+        with httpx.Client(timeout=30.0) as client:
+            for url in urls:
+                _check_reads(client, url, probe, content, option)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _check_reads(client: httpx.Client, url: str, probe: Path, content: str, option: str) -> None:
+    try:
+        resp = client.post(f"{url}/collective_rpc", json={"method": PROBE_METHOD, "args": [str(probe)]})  # fmt: skip
+    except httpx.HTTPError as exc:
+        raise DeployError(f"replicas.urls: the replica at {url} failed: {_why(exc)}") from None
+    results = resp.json().get("results") if resp.status_code == 200 else None
+    if not isinstance(results, list) or not results:
+        log.warning(
+            "%s cannot say whether it reads %s (no lockgate worker extension: HTTP %d); its "
+            "first weight load will tell",
+            url, probe.parent, resp.status_code,
+        )  # fmt: skip
+        return
+    for result in results:
+        if isinstance(result, dict) and result.get("content") == content:
+            continue
+        why = result.get("reason", "another file") if isinstance(result, dict) else result
+        raise DeployError(
+            f"{option}: the replica at {url} cannot read the trainer's weight snapshots in "
+            f"{probe.parent} ({why}): mount the weights volume at the same path in the trainer "
+            "and in every replica"
+        )
 
 
 def connect_gateway(

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
-from lockgate.coordinator.deploy_checks import DeployError, ExternalGateway, check_run_parts
+from lockgate.coordinator.deploy_checks import (
+    DeployError,
+    ExternalGateway,
+    check_replicas_read,
+    check_run_parts,
+)
 from lockgate.coordinator.gateway_process import GatewayDied, GatewayProcess
 from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
@@ -44,6 +49,8 @@ from lockgate.gateway.config import GatewayConfig
 from lockgate.trainer import protocol
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.tiny_model import ensure_tiny_model
+
+TRAINER_DIR = "trainer"  # the trainer's own folder in the run dir
 
 if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
     from lockgate.coordinator.ray_launch import RayParts
@@ -339,6 +346,10 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     external = check_run_parts(config, resume=resume)
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Replicas started elsewhere must read the snapshots this machine's trainer writes.
+    elsewhere = external.replica_urls if external is not None else config.replicas.urls
+    if elsewhere and config.launcher != "ray":
+        check_replicas_read(protocol.snapshots_root(run_dir / TRAINER_DIR), elsewhere)
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     check_sinks(config.metrics)
@@ -364,7 +375,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             config, external, model_dir, run_dir, stack, ray_parts
         )
         _say(f"starting {trainer_config.world_size} trainer rank(s)")
-        trainer_dir, trainer_log = run_dir / "trainer", run_dir / "logs" / "trainer.log"
+        trainer_dir, trainer_log = run_dir / TRAINER_DIR, run_dir / "logs" / "trainer.log"
         trainer = (
             TrainerProcess(trainer_config, trainer_dir, log_path=trainer_log)
             if ray_parts is None

@@ -53,8 +53,13 @@ def error_path(run_dir: Path, step: int) -> Path:
     return run_dir / "results" / f"step_{step}.error"
 
 
+def snapshots_root(run_dir: Path) -> Path:
+    """Where the trainer writes its weight snapshots (the replicas read them there)."""
+    return run_dir / "weights"
+
+
 def snapshot_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "weights" / f"step_{step}"
+    return snapshots_root(run_dir) / f"step_{step}"
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockgate.gateway.vllm_ext.probe import read_probe
 from lockgate.gateway.vllm_ext.snapshot_file import Snapshot, StoredTensor, open_snapshot
 
 
@@ -261,6 +262,11 @@ class SnapshotLoad:
         (A dict: vLLM's /collective_rpc passes dicts through and turns other results into
         strings.)"""
         return {"ready": True}
+
+    def lockgate_read_probe(self, path: str) -> dict[str, Any]:
+        """What this worker reads in a deploy check's probe file (probe.py): whether it
+        shares the trainer's weights volume."""
+        return read_probe(path)
 
     def lockgate_snapshot_layout(self) -> dict[str, Any]:
         """{"transposed": {parameter: [checkpoint tensors]}}: the layers this replica loads
