@@ -96,6 +96,7 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
             sys.executable, "-m", "lockgate.examples.deepresearch.evaluate", "run",
             "--model", str(sft_model), "--kb-dir", str(kb), "--out", str(out), "--n", "4",
             "--replicas", "1", "--oracle", "--no-search", "--agent", '{"max_tokens": 24}',
+            "--samples", "2",
         ],
         check=True, timeout=900, env=env,
     )  # fmt: skip
@@ -103,6 +104,8 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
     names = [s["name"] for s in report["summaries"]]
     assert names == ["oracle", "model T=1", "model T=0", "no-search T=1", "no-search T=0"]
     assert all(s["n"] == 4 for s in report["summaries"])
+    # Two episodes per question at T=1, one greedy.
+    assert [len(report["outcomes"][n]) for n in names] == [4, 8, 4, 8, 4]
     assert report["summaries"][0]["success"] >= 0.75  # the oracle finds what it needs
     compared = subprocess.run(
         [sys.executable, "-m", "lockgate.examples.deepresearch.evaluate", "compare", str(out), str(out)],

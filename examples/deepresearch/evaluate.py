@@ -63,10 +63,16 @@ class Summary(BaseModel):
 
 
 def summarize(name: str, outcomes: Sequence[Outcome]) -> Summary:
-    n = len(outcomes)
-    ems = [o.em for o in outcomes]
-    mean = sum(ems) / n if n else math.nan
-    se = math.sqrt(mean * (1 - mean) / (n - 1)) if n > 1 else math.nan
+    """Success over every episode; its standard error over questions (several episodes of one
+    question are not independent), `n` the number of questions."""
+    per_question: dict[str, list[float]] = {}
+    for o in outcomes:
+        per_question.setdefault(o.question_id, []).append(o.em)
+    means = [sum(v) / len(v) for v in per_question.values()]
+    n = len(means)
+    mean = sum(o.em for o in outcomes) / len(outcomes) if outcomes else math.nan
+    var = sum((m - mean) ** 2 for m in means) / (n - 1) if n > 1 else math.nan
+    se = math.sqrt(var / n) if n > 1 else math.nan
     by_hops: dict[str, list[float]] = {}
     ended: dict[str, int] = {}
     for o in outcomes:
@@ -77,7 +83,7 @@ def summarize(name: str, outcomes: Sequence[Outcome]) -> Summary:
         n=n,
         success=mean,
         success_se=se,
-        f1=sum(o.f1 for o in outcomes) / n if n else math.nan,
+        f1=sum(o.f1 for o in outcomes) / len(outcomes) if outcomes else math.nan,
         by_hops={h: sum(v) / len(v) for h, v in by_hops.items()},
         ended=ended,
     )
@@ -98,11 +104,12 @@ async def model_outcomes(
     *,
     label: str,
     concurrency: int,
+    samples: int = 1,
 ) -> list[Outcome]:
-    """One episode per question through the gateway, at most `concurrency` at a time."""
+    """`samples` episodes per question through the gateway, at most `concurrency` at a time."""
     by_id = {q.id: q for q in questions}
     outcomes: list[Outcome] = []
-    queue = [question_task(q) for q in reversed(questions)]
+    queue = [(question_task(q), k) for k in reversed(range(samples)) for q in reversed(questions)]
 
     async def agent(task: Task, ctx: RolloutContext) -> float:
         episode = await task_episode(task, ctx, tools, config)
@@ -120,9 +127,9 @@ async def model_outcomes(
 
     async def worker() -> None:
         while queue:
-            task = queue.pop()
+            task, k = queue.pop()
             result = await run_rollout(
-                gateway, agent, task, group_id=f"{label}-{task.id}", timeout_s=300.0
+                gateway, agent, task, group_id=f"{label}-{task.id}-{k}", timeout_s=300.0
             )
             if result.status == "failed":
                 q = by_id[task.id]
@@ -194,6 +201,7 @@ async def evaluate(
                 config,
                 label=name.replace(" ", "-"),
                 concurrency=args.concurrency,
+                samples=args.samples if temperature > 0 else 1,
             )
             print(summarize(name, outcomes[name]).line(), file=sys.stderr, flush=True)
         await close_shared_transport()
@@ -278,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--corpus", type=Path, help="corpus JSONL (default: the knowledge base's)")
     run.add_argument("--n", type=int, default=None, help="the first N questions only")
     run.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
+    run.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="episodes per question at a temperature above 0 (greedy runs once)",
+    )
     run.add_argument("--oracle", action="store_true", help="also run the scripted oracle")
     run.add_argument("--no-search", action="store_true", help="also run the no-search baseline")
     run.add_argument("--agent", default="{}", help="AgentConfig fields as JSON")

@@ -1,0 +1,32 @@
+"""The evaluation's summary: success over every episode, its standard error over questions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lockgate.examples.deepresearch.evaluate import Outcome, summarize
+
+
+def _outcome(qid: str, em: float, hops: int = 1) -> Outcome:
+    return Outcome(question_id=qid, hops=hops, em=em, f1=em, ended="answered")
+
+
+def test_one_episode_per_question_is_the_binomial_standard_error() -> None:
+    s = summarize("m", [_outcome("a", 1.0), _outcome("b", 0.0), _outcome("c", 0.0)])
+    assert s.n == 3
+    assert s.success == pytest.approx(1 / 3)
+    assert s.success_se == pytest.approx(math.sqrt((1 / 3) * (2 / 3) / 2))
+
+
+def test_several_episodes_of_a_question_count_as_one_question() -> None:
+    # a: 2 of 2, b: 0 of 2, c: 1 of 2 -> per-question means 1, 0, 0.5.
+    ems = {"a": [1.0, 1.0], "b": [0.0, 0.0], "c": [1.0, 0.0]}
+    s = summarize(
+        "m", [_outcome(q, e, hops=2 if q == "c" else 1) for q, v in ems.items() for e in v]
+    )
+    assert s.n == 3
+    assert s.success == pytest.approx(0.5)
+    assert s.success_se == pytest.approx(math.sqrt(0.25 / 3))  # var of (1, 0, 0.5) is 0.25
+    assert s.by_hops == {"1": 0.5, "2": 0.5}
