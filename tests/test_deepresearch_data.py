@@ -35,6 +35,7 @@ from lockgate.examples.deepresearch.reward import (
     f1_score,
     normalize_answer,
     score,
+    shows_answer,
 )
 from lockgate.examples.deepresearch.world import WorldSizes, generate_world, name_split
 
@@ -87,6 +88,20 @@ def test_the_score_is_f1_with_an_optional_format_term() -> None:
     wrong = score("nothing", ["Quel Group"], format_weight=0.1)
     assert wrong.reward == pytest.approx(0.1) and wrong.answered and wrong.em == 0.0
     assert score("Quel Group", ["Quel Group"], format_weight=0.1).reward == pytest.approx(1.0)
+
+
+def test_the_evidence_term_pays_for_a_gold_answer_seen_in_a_tool_result() -> None:
+    text = "[d7] Kaven Lomos: Kaven Lomos was born in 1952 in Sasaholt. He works for Quel Group."
+    assert shows_answer(text, ["Sasaholt"]) and shows_answer(text, ["the Quel group"])
+    assert not shows_answer(text, ["Sasa"])  # whole words only
+    assert not shows_answer(text, ["Tarport", ""])
+    found = {"evidence_weight": 0.2, "evidence": True}
+    assert score("Tarport", ["Sasaholt"], **found).reward == pytest.approx(0.2)
+    assert score(None, ["Sasaholt"], **found).reward == pytest.approx(0.2)
+    assert score("Sasaholt", ["Sasaholt"], **found).reward == pytest.approx(1.0)
+    assert score("Sasaholt", ["Sasaholt"], evidence_weight=0.2).reward == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="more than 1"):
+        score("x", ["x"], format_weight=0.6, evidence_weight=0.6)
 
 
 # -- world and questions -----------------------------------------------------------------------

@@ -31,7 +31,7 @@ from lockgate.examples.deepresearch.retrieval.client import (
     RetrievalClient,
     RetrievalError,
 )
-from lockgate.examples.deepresearch.reward import Score, extract_answer, score
+from lockgate.examples.deepresearch.reward import Score, extract_answer, score, shows_answer
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -78,6 +78,12 @@ class AgentConfig(BaseModel):
     max_tokens: int = Field(default=96, ge=1, description="Completion tokens per model call.")
     doc_chars: int = Field(default=400, ge=20, description="A document's text shown, at most.")
     format_weight: float = Field(default=0.0, ge=0, le=1, description="Reward for the form.")
+    evidence_weight: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Reward for a tool result that showed a gold answer (reward.py).",
+    )
     temperature: float | None = Field(
         default=None, description="Sent with each call; None leaves it to the server."
     )
@@ -195,6 +201,7 @@ async def run_episode(
     ]
     events: list[ToolEvent] = []
     seen: set[tuple[str, str]] = set()
+    evidence = False
     extra = {} if config.temperature is None else {"temperature": config.temperature}
     for turn in range(1, config.max_turns + 1):
         response = await client.chat.completions.create(
@@ -207,7 +214,13 @@ async def run_episode(
             ending: Ending = "answered" if answer is not None else "no_answer"
             return Episode(
                 answer=answer,
-                score=score(answer, gold, format_weight=config.format_weight),
+                score=score(
+                    answer,
+                    gold,
+                    format_weight=config.format_weight,
+                    evidence_weight=config.evidence_weight,
+                    evidence=evidence,
+                ),
                 ended=ending,
                 turns=turn,
                 tool_calls=events,
@@ -219,6 +232,7 @@ async def run_episode(
                 return _failed("repeated_call" if key in seen else "too_many_calls", turn, events)
             seen.add(key)
             text, error = await tools.run(*key)
+            evidence = evidence or (error is None and shows_answer(text, gold))
             events.append(ToolEvent(name=key[0], arguments=key[1], error=error))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
     return _failed("max_turns", config.max_turns, events)

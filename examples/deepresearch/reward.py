@@ -2,7 +2,11 @@
 
 F1 is the training reward (the best over the gold answers); exact match is logged beside it.
 An optional small format term rewards an episode that ends in the required answer form even
-when the answer is wrong, and is off by default.
+when the answer is wrong, and is off by default. So does an optional evidence term: an
+episode whose tool results showed a gold answer (`shows_answer`) earns it whatever it
+answered. On 2-hop questions that tells a second search that found the answer's page from an
+early wrong answer, which F1 alone scores the same (zero): without it RL taught the small
+model to answer after one search (README).
 """
 
 from __future__ import annotations
@@ -65,9 +69,28 @@ class Score(BaseModel):
     answered: bool
 
 
-def score(answer: str | None, gold: Sequence[str], *, format_weight: float = 0.0) -> Score:
-    """The episode's reward: F1 (in [0, 1]), or with `format_weight` w: (1 - w) F1 + w answered."""
+def shows_answer(text: str, gold: Sequence[str]) -> bool:
+    """Whether `text` holds one of the gold answers as whole words, after normalisation."""
+    padded = f" {normalize_answer(text)} "
+    return any(norm and f" {norm} " in padded for norm in map(normalize_answer, gold))
+
+
+def score(
+    answer: str | None,
+    gold: Sequence[str],
+    *,
+    format_weight: float = 0.0,
+    evidence_weight: float = 0.0,
+    evidence: bool = False,
+) -> Score:
+    """The episode's reward in [0, 1]: F1, or with a format weight wf and an evidence weight we,
+    (1 - wf - we) F1 + wf answered + we evidence (evidence: a tool result showed a gold answer).
+    An episode without an answer earns only its evidence term."""
+    if format_weight + evidence_weight > 1:
+        raise ValueError("the format and evidence weights add up to more than 1")
+    seen = evidence_weight * float(evidence)
     if answer is None:
-        return Score(reward=0.0, f1=0.0, em=0.0, answered=False)
+        return Score(reward=seen, f1=0.0, em=0.0, answered=False)
     f1, em = f1_score(answer, gold), exact_match(answer, gold)
-    return Score(reward=(1 - format_weight) * f1 + format_weight, f1=f1, em=em, answered=True)
+    reward = (1 - format_weight - evidence_weight) * f1 + format_weight + seen
+    return Score(reward=reward, f1=f1, em=em, answered=True)
