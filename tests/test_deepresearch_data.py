@@ -303,3 +303,26 @@ def test_the_environment_trains_on_fresh_worlds_when_asked(tmp_path: Path) -> No
             assert all(WORLD_SEED not in t.data for t in env.val_tasks())  # held-out world kept
         finally:
             env.close()
+
+
+async def test_fresh_worlds_can_be_as_large_as_the_held_out_one(tmp_path: Path) -> None:
+    kb = build_cpu_kb(tmp_path / "kb", SMALL)
+    index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
+    big = {"people": 300, "organisations": 60, "cities": 40, "countries": 8}
+    with serve_in_thread(create_app(index)) as port:
+        env = DeepResearchEnvironment(
+            tmp_path,
+            kb_dir=kb,
+            retrieval_url=f"http://127.0.0.1:{port}",
+            fresh_train_worlds=6,
+            fresh_world=big,
+        )
+        try:
+            seed = env.train_tasks()[0].data[WORLD_SEED]
+            world = generate_world(seed, "train", WorldSizes(**big))
+            assert len(world.people) == 300 and len(world.countries) == 8
+            retrieval = await env.worlds.get(seed)
+            person = next(iter(world.people))
+            assert person in [h.title for h in await retrieval.search(person, 3)]
+        finally:
+            env.close()

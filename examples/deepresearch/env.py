@@ -12,6 +12,9 @@ Config (`environment.args`, all optional):
   validation keeps every question.
 - `fresh_train_worlds`: train on this many questions over fresh worlds instead, each searched in
   its own in-process index (`fresh_worlds.py`); validation keeps the held-out world.
+- `fresh_world`: those worlds' sizes (`WorldSizes` fields: people, organisations, cities,
+  countries; default 60/15/12/4). In a world of 4 countries a guess answers a country question
+  one time in four, so RL there can learn to guess rather than search again.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).
 """
 
@@ -34,6 +37,7 @@ from lockgate.examples.deepresearch.data import (
     load_questions,
 )
 from lockgate.examples.deepresearch.fresh_worlds import (
+    FRESH_WORLD,
     WORLD_SEED,
     WorldRetrievals,
     fresh_world_tasks,
@@ -42,6 +46,7 @@ from lockgate.examples.deepresearch.questions import Question
 from lockgate.examples.deepresearch.retrieval.client import RetrievalClient
 from lockgate.examples.deepresearch.retrieval.launcher import RetrievalService
 from lockgate.examples.deepresearch.serving import start_retrieval
+from lockgate.examples.deepresearch.world import WorldSizes
 from lockgate.trainer.tiny_model import default_cache_dir
 
 
@@ -73,6 +78,7 @@ class DeepResearchEnvironment:
         num_val: int | None = None,
         train_hops: Sequence[int] | None = None,
         fresh_train_worlds: int | None = None,
+        fresh_world: dict[str, int] | None = None,
         agent: dict[str, Any] | None = None,
         log_dir: Path | None = None,
     ) -> None:
@@ -85,8 +91,11 @@ class DeepResearchEnvironment:
         if train_hops is not None:
             train = [q for q in train if q.hops in set(train_hops)]
         self._train = train[:num_train]
-        self._fresh = fresh_world_tasks(fresh_train_worlds) if fresh_train_worlds else None
-        self.worlds = WorldRetrievals()
+        sizes = WorldSizes(**fresh_world) if fresh_world else FRESH_WORLD
+        self._fresh = (
+            fresh_world_tasks(fresh_train_worlds, sizes=sizes) if fresh_train_worlds else None
+        )
+        self.worlds = WorldRetrievals(sizes=sizes)
         self._val = load_questions(Path(heldout_questions or kb / HELDOUT), num_val)
         self.agent_config = AgentConfig.model_validate(agent or {})
         if retrieval_url is not None:

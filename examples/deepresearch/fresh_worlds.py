@@ -30,13 +30,13 @@ _RL_WORLD_SEEDS = 2_000_000_000
 WORLD_SEED = "world_seed"  # the task data key naming a task's world
 
 
-def fresh_world_tasks(count: int, *, seed: int = 0) -> list[Task]:
-    """`count` question tasks over fresh worlds, QUESTIONS_PER_WORLD per world."""
+def fresh_world_tasks(count: int, *, seed: int = 0, sizes: WorldSizes = FRESH_WORLD) -> list[Task]:
+    """`count` question tasks over fresh worlds of `sizes`, QUESTIONS_PER_WORLD per world."""
     tasks: list[Task] = []
     n = 0
     while len(tasks) < count:
         world_seed = _RL_WORLD_SEEDS + seed * 1_000_000 + n
-        world = generate_world(world_seed, "train", FRESH_WORLD)
+        world = generate_world(world_seed, "train", sizes)
         for q in generate_questions(
             world, QUESTIONS_PER_WORLD, seed=world_seed, id_prefix=f"fresh{world_seed}-"
         ):
@@ -65,9 +65,10 @@ class WorldRetrievals:
     """Each fresh world's retrieval, built once (in a thread: ~10 ms) and kept while its
     group's rollouts run; the least recently used go when more than `keep` are held."""
 
-    def __init__(self, keep: int = 64) -> None:
+    def __init__(self, keep: int = 64, sizes: WorldSizes = FRESH_WORLD) -> None:
         self._dir: tempfile.TemporaryDirectory[str] | None = None  # made at the first world
         self._keep = keep
+        self._sizes = sizes
         self._held: OrderedDict[int, asyncio.Future[WorldRetrieval]] = OrderedDict()
 
     async def get(self, world_seed: int) -> WorldRetrieval:
@@ -83,9 +84,8 @@ class WorldRetrievals:
         self._held.move_to_end(world_seed)
         return await held
 
-    @staticmethod
-    def _build(world_seed: int, work: Path) -> WorldRetrieval:
-        world = generate_world(world_seed, "train", FRESH_WORLD)
+    def _build(self, world_seed: int, work: Path) -> WorldRetrieval:
+        world = generate_world(world_seed, "train", self._sizes)
         return WorldRetrieval(world, work, str(world_seed))
 
     def close(self) -> None:
