@@ -13,9 +13,10 @@ Estimators (`compute_advantages`):
 
 `weigh_negatives` then scales the advantages below zero (`loop.negative_advantage_weight`):
 1 is the estimator as it is; 0 reinforces only the rollouts better than their group (positive
-sample reinforcement, a filtered behaviour cloning). Pushing a small model's sampled tokens
-down spreads their mass over everything else, which raises its entropy; a weight below 1 keeps
-the update a sharpening of what worked.
+sample reinforcement, a filtered behaviour cloning). The reason to try it: pushing a small
+model's sampled tokens down spreads their mass over everything else and raises its entropy
+(seen in DeepResearch runs at higher learning rates); what it did there instead is in
+examples/deepresearch/README.md.
 """
 
 from __future__ import annotations

@@ -139,7 +139,11 @@ def _check_reads(client: httpx.Client, url: str, probe: Path, content: str, opti
         resp = client.post(f"{url}/collective_rpc", json={"method": PROBE_METHOD, "args": [str(probe)]})  # fmt: skip
     except httpx.HTTPError as exc:
         raise DeployError(f"replicas.urls: the replica at {url} failed: {_why(exc)}") from None
-    results = resp.json().get("results") if resp.status_code == 200 else None
+    try:
+        answer = resp.json() if resp.status_code == 200 else None
+    except ValueError:  # not JSON: not an answer of vLLM's collective_rpc
+        answer = None
+    results = answer.get("results") if isinstance(answer, dict) else None
     if not isinstance(results, list) or not results:
         log.warning(
             "%s cannot say whether it reads %s (no lockgate worker extension: HTTP %d); its "
