@@ -13,8 +13,9 @@ Config (`environment.args`, all optional):
 - `fresh_train_worlds`: train on this many questions over fresh worlds instead, each searched in
   its own in-process index (`fresh_worlds.py`); validation keeps the held-out world.
 - `fresh_world`: those worlds' sizes (`WorldSizes` fields: people, organisations, cities,
-  countries; default 60/15/12/4). In a world of 4 countries a guess answers a country question
-  one time in four, so RL there can learn to guess rather than search again.
+  countries; default 60/15/12/4; the held-out world is 300/60/40/8). In a world of 4 countries
+  a guess answers a country question one time in four; on held-out-sized worlds RL still
+  learnt to skip the second search (README), so that is not why it does.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).
 """
 

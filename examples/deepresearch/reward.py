@@ -4,9 +4,9 @@ F1 is the training reward (the best over the gold answers); exact match is logge
 An optional small format term rewards an episode that ends in the required answer form even
 when the answer is wrong, and is off by default. So does an optional evidence term: an
 episode whose tool results showed a gold answer (`shows_answer`) earns it whatever it
-answered. On 2-hop questions that tells a second search that found the answer's page from an
-early wrong answer, which F1 alone scores the same (zero): without it RL taught the small
-model to answer after one search (README).
+answered. On 2-hop questions it tells a second search that found the answer's page from an
+early wrong answer, which F1 alone scores the same (zero). RL without it taught the small model
+to answer after one search; with it (0.2-0.3) that went more slowly, but still went (README).
 """
 
 from __future__ import annotations
