@@ -265,6 +265,9 @@ async def test_fresh_world_tasks_are_answered_by_searching_their_own_world_only(
     assert len(tasks) == 12 and len(set(seeds)) == 2  # six questions a world
     assert len({t.id for t in tasks}) == 12
     assert fresh_world_tasks(12, seed=1)[0].data[WORLD_SEED] not in seeds  # seeds pick worlds
+    assert {t.data["hops"] for t in tasks} == {1, 2}
+    mostly_two = fresh_world_tasks(300, seed=0, two_hop_share=0.75)
+    assert 0.65 < sum(t.data["hops"] == 2 for t in mostly_two) / 300 < 0.85
     worlds = WorldRetrievals(keep=1)
     try:
         answered = 0
@@ -295,11 +298,16 @@ def test_the_environment_trains_on_fresh_worlds_when_asked(tmp_path: Path) -> No
     index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
     with serve_in_thread(create_app(index)) as port:
         env = DeepResearchEnvironment(
-            tmp_path, kb_dir=kb, retrieval_url=f"http://127.0.0.1:{port}", fresh_train_worlds=13
+            tmp_path,
+            kb_dir=kb,
+            retrieval_url=f"http://127.0.0.1:{port}",
+            fresh_train_worlds=13,
+            fresh_two_hop_share=1.0,
         )
         try:
             train = env.train_tasks()
             assert len(train) == 13 and all(WORLD_SEED in t.data for t in train)
+            assert all(t.data["hops"] == 2 for t in train)
             assert all(WORLD_SEED not in t.data for t in env.val_tasks())  # held-out world kept
         finally:
             env.close()

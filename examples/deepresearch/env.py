@@ -16,6 +16,9 @@ Config (`environment.args`, all optional):
   countries; default 60/15/12/4; the held-out world is 300/60/40/8). In a world of 4 countries
   a guess answers a country question one time in four; on held-out-sized worlds RL still
   learnt to skip the second search (README), so that is not why it does.
+- `fresh_two_hop_share`: the share of 2-hop questions among them (default 0.5, as the held-out
+  split). RL's positive advantages come mostly from 1-hop questions, which succeed more often;
+  a larger share gives 2-hop groups (and the second search they need) more of the update.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).
 """
 
@@ -52,7 +55,8 @@ from lockgate.trainer.tiny_model import default_cache_dir
 
 
 def question_task(q: Question) -> Task:
-    return Task(id=q.id, data={"question": q.question, "golden_answers": q.golden_answers})
+    data = {"question": q.question, "golden_answers": q.golden_answers, "hops": q.hops}
+    return Task(id=q.id, data=data)
 
 
 async def task_episode(
@@ -80,6 +84,7 @@ class DeepResearchEnvironment:
         train_hops: Sequence[int] | None = None,
         fresh_train_worlds: int | None = None,
         fresh_world: dict[str, int] | None = None,
+        fresh_two_hop_share: float = 0.5,
         agent: dict[str, Any] | None = None,
         log_dir: Path | None = None,
     ) -> None:
@@ -94,7 +99,9 @@ class DeepResearchEnvironment:
         self._train = train[:num_train]
         sizes = WorldSizes(**fresh_world) if fresh_world else FRESH_WORLD
         self._fresh = (
-            fresh_world_tasks(fresh_train_worlds, sizes=sizes) if fresh_train_worlds else None
+            fresh_world_tasks(fresh_train_worlds, sizes=sizes, two_hop_share=fresh_two_hop_share)
+            if fresh_train_worlds
+            else None
         )
         self.worlds = WorldRetrievals(sizes=sizes)
         self._val = load_questions(Path(heldout_questions or kb / HELDOUT), num_val)

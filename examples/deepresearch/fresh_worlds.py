@@ -30,17 +30,24 @@ _RL_WORLD_SEEDS = 2_000_000_000
 WORLD_SEED = "world_seed"  # the task data key naming a task's world
 
 
-def fresh_world_tasks(count: int, *, seed: int = 0, sizes: WorldSizes = FRESH_WORLD) -> list[Task]:
-    """`count` question tasks over fresh worlds of `sizes`, QUESTIONS_PER_WORLD per world."""
+def fresh_world_tasks(
+    count: int, *, seed: int = 0, sizes: WorldSizes = FRESH_WORLD, two_hop_share: float = 0.5
+) -> list[Task]:
+    """`count` question tasks over fresh worlds of `sizes`, QUESTIONS_PER_WORLD per world, about
+    `two_hop_share` of them 2-hop."""
     tasks: list[Task] = []
     n = 0
     while len(tasks) < count:
         world_seed = _RL_WORLD_SEEDS + seed * 1_000_000 + n
         world = generate_world(world_seed, "train", sizes)
         for q in generate_questions(
-            world, QUESTIONS_PER_WORLD, seed=world_seed, id_prefix=f"fresh{world_seed}-"
+            world,
+            QUESTIONS_PER_WORLD,
+            seed=world_seed,
+            two_hop_share=two_hop_share,
+            id_prefix=f"fresh{world_seed}-",
         ):
-            data = {"question": q.question, "golden_answers": q.golden_answers}
+            data = {"question": q.question, "golden_answers": q.golden_answers, "hops": q.hops}
             tasks.append(Task(id=q.id, data={**data, WORLD_SEED: world_seed}))
         n += 1
     return tasks[:count]
