@@ -10,7 +10,7 @@ from lockgate.examples.deepresearch.evaluate import Outcome, summarize
 
 
 def _outcome(qid: str, em: float, hops: int = 1) -> Outcome:
-    return Outcome(question_id=qid, hops=hops, em=em, f1=em, ended="answered")
+    return Outcome(question_id=qid, hops=hops, em=em, f1=em, ended="answered", tool_calls=hops)
 
 
 def test_one_episode_per_question_is_the_binomial_standard_error() -> None:
@@ -30,3 +30,4 @@ def test_several_episodes_of_a_question_count_as_one_question() -> None:
     assert s.success == pytest.approx(0.5)
     assert s.success_se == pytest.approx(math.sqrt(0.25 / 3))  # var of (1, 0, 0.5) is 0.25
     assert s.by_hops == {"1": 0.5, "2": 0.5}
+    assert s.tool_calls_by_hops == {"1": 1.0, "2": 2.0}

@@ -43,6 +43,7 @@ class Outcome(BaseModel):
     em: float
     f1: float
     ended: str
+    tool_calls: int = 0
 
 
 class Summary(BaseModel):
@@ -53,6 +54,9 @@ class Summary(BaseModel):
     f1: float
     by_hops: dict[str, float]
     ended: dict[str, int]
+    # Mean tool calls per episode by hop count: RL that helps 1-hop questions by answering
+    # after one search shows here as 2-hop questions searched once (README).
+    tool_calls_by_hops: dict[str, float] = {}
 
     def line(self) -> str:
         hops = ", ".join(f"{h}-hop {v:.3f}" for h, v in sorted(self.by_hops.items()))
@@ -74,9 +78,11 @@ def summarize(name: str, outcomes: Sequence[Outcome]) -> Summary:
     var = sum((m - mean) ** 2 for m in means) / (n - 1) if n > 1 else math.nan
     se = math.sqrt(var / n) if n > 1 else math.nan
     by_hops: dict[str, list[float]] = {}
+    calls: dict[str, list[int]] = {}
     ended: dict[str, int] = {}
     for o in outcomes:
         by_hops.setdefault(str(o.hops), []).append(o.em)
+        calls.setdefault(str(o.hops), []).append(o.tool_calls)
         ended[o.ended] = ended.get(o.ended, 0) + 1
     return Summary(
         name=name,
@@ -86,6 +92,7 @@ def summarize(name: str, outcomes: Sequence[Outcome]) -> Summary:
         f1=sum(o.f1 for o in outcomes) / len(outcomes) if outcomes else math.nan,
         by_hops={h: sum(v) / len(v) for h, v in by_hops.items()},
         ended=ended,
+        tool_calls_by_hops={h: sum(v) / len(v) for h, v in calls.items()},
     )
 
 
@@ -121,6 +128,7 @@ async def model_outcomes(
                 em=episode.score.em,
                 f1=episode.score.f1,
                 ended=episode.ended,
+                tool_calls=len(episode.tool_calls),
             )
         )
         return episode.score.reward
@@ -160,6 +168,7 @@ async def oracle_outcomes(
                 em=exact_match(answer, q.golden_answers) if run.answer else 0.0,
                 f1=f1_score(answer, q.golden_answers) if run.answer else 0.0,
                 ended=run.failure or "answered",
+                tool_calls=run.searches,
             )
         )
     return outcomes
