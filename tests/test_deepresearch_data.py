@@ -16,6 +16,7 @@ from lockgate.examples.deepresearch.data import (
     build_cpu_kb,
     iter_corpus,
     load_questions,
+    training_world_documents,
 )
 from lockgate.examples.deepresearch.env import DeepResearchEnvironment
 from lockgate.examples.deepresearch.fresh_worlds import (
@@ -332,5 +333,41 @@ async def test_fresh_worlds_can_be_as_large_as_the_held_out_one(tmp_path: Path) 
             retrieval = await env.worlds.get(seed)
             person = next(iter(world.people))
             assert person in [h.title for h in await retrieval.search(person, 3)]
+        finally:
+            env.close()
+
+
+async def test_fresh_worlds_can_be_searched_among_the_training_worlds(tmp_path: Path) -> None:
+    spec = SMALL.model_copy(update={"train_worlds": 3})
+    kb = build_cpu_kb(tmp_path / "kb", spec)
+    distractors = training_world_documents(kb)
+    heldout_titles = {d["contents"].split("\n")[0] for d in iter_corpus(kb / "corpus.jsonl")} - {
+        d["contents"].split("\n")[0] for d in distractors
+    }
+    assert distractors and heldout_titles  # the held-out world's documents are not distractors
+    index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
+    with serve_in_thread(create_app(index)) as port:
+        env = DeepResearchEnvironment(
+            tmp_path,
+            kb_dir=kb,
+            retrieval_url=f"http://127.0.0.1:{port}",
+            fresh_train_worlds=12,
+            fresh_distractors=True,
+        )
+        try:
+            tasks = env.train_tasks()
+            seed = tasks[0].data[WORLD_SEED]
+            retrieval = await env.worlds.get(seed)
+            world = generate_world(seed, "train", FRESH_WORLD)
+            assert len(retrieval.index) == len(list(world.documents("w"))) + len(distractors)
+            questions = generate_questions(world, 6, seed=seed, id_prefix=f"fresh{seed}-")
+            answered = 0
+            for question in questions:  # the world's own entities are still found first
+                run = await run_oracle(question, retrieval.search, AgentConfig())
+                answered += run.answer in question.golden_answers
+            assert answered >= 5
+            # A search for a distractor's name finds it: the training worlds are in the index.
+            title = distractors[0]["contents"].split("\n")[0].strip('"')
+            assert title in [h.title for h in await retrieval.search(title, 3)]
         finally:
             env.close()

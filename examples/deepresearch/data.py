@@ -21,6 +21,7 @@ from lockgate.examples.deepresearch.questions import Question, generate_question
 from lockgate.examples.deepresearch.world import WorldSizes, generate_world
 
 CORPUS, TRAIN, HELDOUT, MANIFEST = "corpus.jsonl", "train.jsonl", "heldout.jsonl", "manifest.json"
+HELDOUT_DOC_PREFIX = "h"  # the held-out world's document ids; the training worlds' start with t
 
 
 class KBSpec(BaseModel):
@@ -58,7 +59,7 @@ def build_cpu_kb(out_dir: Path, spec: KBSpec | None = None) -> Path:
     ]
     heldout = generate_world(spec.seed, "heldout", spec.heldout_world, used)
     docs = [d for k, w in enumerate(trains) for d in w.documents(f"t{k}-" if k else "t")]
-    write_jsonl(out_dir / CORPUS, [*docs, *heldout.documents("h")])
+    write_jsonl(out_dir / CORPUS, [*docs, *heldout.documents(HELDOUT_DOC_PREFIX)])
     per_world = _split_evenly(spec.train_questions, spec.train_worlds)
     train_questions = [
         q.model_dump(mode="json")
@@ -84,6 +85,11 @@ def build_cpu_kb(out_dir: Path, spec: KBSpec | None = None) -> Path:
     write_jsonl(out_dir / HELDOUT, [q.model_dump(mode="json") for q in heldout_questions])
     manifest.write_text(json.dumps(spec.model_dump(mode="json"), indent=2))
     return out_dir
+
+
+def training_world_documents(kb_dir: Path) -> list[dict[str, str]]:
+    """The documents of a CPU knowledge base's training worlds: the held-out world's left out."""
+    return [d for d in iter_corpus(kb_dir / CORPUS) if not d["id"].startswith(HELDOUT_DOC_PREFIX)]
 
 
 def _split_evenly(total: int, parts: int) -> list[int]:

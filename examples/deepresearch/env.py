@@ -19,6 +19,8 @@ Config (`environment.args`, all optional):
 - `fresh_two_hop_share`: the share of 2-hop questions among them (default 0.5, as the held-out
   split). RL's positive advantages come mostly from 1-hop questions, which succeed more often;
   a larger share gives 2-hop groups (and the second search they need) more of the update.
+- `fresh_distractors`: search each fresh world together with the knowledge base's training
+  worlds (~9,000 documents), as the held-out world is searched; off, a world is searched alone.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).
 """
 
@@ -39,6 +41,7 @@ from lockgate.examples.deepresearch.data import (
     TRAIN,
     build_cpu_kb,
     load_questions,
+    training_world_documents,
 )
 from lockgate.examples.deepresearch.fresh_worlds import (
     FRESH_WORLD,
@@ -85,15 +88,17 @@ class DeepResearchEnvironment:
         fresh_train_worlds: int | None = None,
         fresh_world: dict[str, int] | None = None,
         fresh_two_hop_share: float = 0.5,
+        fresh_distractors: bool = False,
         agent: dict[str, Any] | None = None,
         log_dir: Path | None = None,
     ) -> None:
+        kb: Path | None = None
         if kb_dir is not None:
             kb = Path(kb_dir)
         elif not (corpus and train_questions and heldout_questions):
             kb = build_cpu_kb(default_cache_dir() / "deepresearch-kb")
-        self.corpus = Path(corpus) if corpus else kb / CORPUS
-        train = load_questions(Path(train_questions or kb / TRAIN))
+        self.corpus = Path(corpus) if corpus else _in(kb, CORPUS)
+        train = load_questions(Path(train_questions or _in(kb, TRAIN)))
         if train_hops is not None:
             train = [q for q in train if q.hops in set(train_hops)]
         self._train = train[:num_train]
@@ -103,8 +108,13 @@ class DeepResearchEnvironment:
             if fresh_train_worlds
             else None
         )
-        self.worlds = WorldRetrievals(sizes=sizes)
-        self._val = load_questions(Path(heldout_questions or kb / HELDOUT), num_val)
+        distractors: list[dict[str, str]] = []
+        if fresh_distractors:
+            if kb is None:
+                raise ValueError("fresh_distractors needs a CPU knowledge base (kb_dir)")
+            distractors = training_world_documents(kb)
+        self.worlds = WorldRetrievals(sizes=sizes, distractors=distractors)
+        self._val = load_questions(Path(heldout_questions or _in(kb, HELDOUT)), num_val)
         self.agent_config = AgentConfig.model_validate(agent or {})
         if retrieval_url is not None:
             self.service = RetrievalService.external(retrieval_url)
@@ -141,6 +151,11 @@ class DeepResearchEnvironment:
     def close(self) -> None:
         self.service.stop()
         self.worlds.close()
+
+
+def _in(kb: Path | None, name: str) -> Path:
+    assert kb is not None  # set whenever a file of it is not given
+    return kb / name
 
 
 async def _record(ctx: RolloutContext, metadata: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 from lockgate.agent_runtime import Task
@@ -54,11 +55,14 @@ def fresh_world_tasks(
 
 
 class WorldRetrieval:
-    """The `Retrieval` of one fresh world: its documents in an in-process BM25 index."""
+    """The `Retrieval` of one fresh world: its documents, with `distractors` if given, in an
+    in-process BM25 index."""
 
-    def __init__(self, world: World, work: Path, name: str) -> None:
+    def __init__(
+        self, world: World, work: Path, name: str, distractors: Sequence[dict[str, str]] = ()
+    ) -> None:
         corpus = work / f"{name}.jsonl"
-        write_jsonl(corpus, list(world.documents("w")))
+        write_jsonl(corpus, [*world.documents("w"), *distractors])
         self.index = BM25Index.build(corpus, work / f"{name}.index")
 
     async def search(self, query: str, topk: int = 3) -> list[Hit]:
@@ -69,13 +73,26 @@ class WorldRetrieval:
 
 
 class WorldRetrievals:
-    """Each fresh world's retrieval, built once (in a thread: ~10 ms) and kept while its
-    group's rollouts run; the least recently used go when more than `keep` are held."""
+    """Each fresh world's retrieval, built once (in a thread: ~10 ms alone, ~1 s with the CPU
+    knowledge base's training worlds as distractors) and kept while its group's rollouts run;
+    the least recently used go when more than `keep` are held.
 
-    def __init__(self, keep: int = 64, sizes: WorldSizes = FRESH_WORLD) -> None:
+    Distractors make a fresh world as hard to search as the held-out one, which is searched
+    among the ~9,000 documents of the knowledge base's training worlds: alone, a fresh world's
+    ~90 documents let a misspelt name still find its entity, so RL learnt reading habits that
+    failed on held-out 2-hop questions (README).
+    """
+
+    def __init__(
+        self,
+        keep: int = 64,
+        sizes: WorldSizes = FRESH_WORLD,
+        distractors: Sequence[dict[str, str]] = (),
+    ) -> None:
         self._dir: tempfile.TemporaryDirectory[str] | None = None  # made at the first world
         self._keep = keep
         self._sizes = sizes
+        self._distractors = distractors
         self._held: OrderedDict[int, asyncio.Future[WorldRetrieval]] = OrderedDict()
 
     async def get(self, world_seed: int) -> WorldRetrieval:
@@ -93,7 +110,7 @@ class WorldRetrievals:
 
     def _build(self, world_seed: int, work: Path) -> WorldRetrieval:
         world = generate_world(world_seed, "train", self._sizes)
-        return WorldRetrieval(world, work, str(world_seed))
+        return WorldRetrieval(world, work, str(world_seed), self._distractors)
 
     def close(self) -> None:
         if self._dir is not None:
