@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from threaded_server import serve_in_thread
@@ -294,80 +297,58 @@ async def test_fresh_world_tasks_are_answered_by_searching_their_own_world_only(
         worlds.close()
 
 
-def test_the_environment_trains_on_fresh_worlds_when_asked(tmp_path: Path) -> None:
-    kb = build_cpu_kb(tmp_path / "kb", SMALL)
+@contextmanager
+def _environment(
+    tmp_path: Path, spec: KBSpec = SMALL, **args: Any
+) -> Iterator[DeepResearchEnvironment]:
+    """The environment on a small knowledge base, its retrieval service served in a thread."""
+    kb = build_cpu_kb(tmp_path / "kb", spec)
     index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
     with serve_in_thread(create_app(index)) as port:
         env = DeepResearchEnvironment(
-            tmp_path,
-            kb_dir=kb,
-            retrieval_url=f"http://127.0.0.1:{port}",
-            fresh_train_worlds=13,
-            fresh_two_hop_share=1.0,
+            tmp_path, kb_dir=kb, retrieval_url=f"http://127.0.0.1:{port}", **args
         )
         try:
-            train = env.train_tasks()
-            assert len(train) == 13 and all(WORLD_SEED in t.data for t in train)
-            assert all(t.data["hops"] == 2 for t in train)
-            assert all(WORLD_SEED not in t.data for t in env.val_tasks())  # held-out world kept
+            yield env
         finally:
             env.close()
+
+
+def test_the_environment_trains_on_fresh_worlds_when_asked(tmp_path: Path) -> None:
+    with _environment(tmp_path, fresh_train_worlds=13, fresh_two_hop_share=1.0) as env:
+        train = env.train_tasks()
+        assert len(train) == 13 and all(WORLD_SEED in t.data for t in train)
+        assert all(t.data["hops"] == 2 for t in train)
+        assert all(WORLD_SEED not in t.data for t in env.val_tasks())  # held-out world kept
 
 
 async def test_fresh_worlds_can_be_as_large_as_the_held_out_one(tmp_path: Path) -> None:
-    kb = build_cpu_kb(tmp_path / "kb", SMALL)
-    index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
     big = {"people": 300, "organisations": 60, "cities": 40, "countries": 8}
-    with serve_in_thread(create_app(index)) as port:
-        env = DeepResearchEnvironment(
-            tmp_path,
-            kb_dir=kb,
-            retrieval_url=f"http://127.0.0.1:{port}",
-            fresh_train_worlds=6,
-            fresh_world=big,
-        )
-        try:
-            seed = env.train_tasks()[0].data[WORLD_SEED]
-            world = generate_world(seed, "train", WorldSizes(**big))
-            assert len(world.people) == 300 and len(world.countries) == 8
-            retrieval = await env.worlds.get(seed)
-            person = next(iter(world.people))
-            assert person in [h.title for h in await retrieval.search(person, 3)]
-        finally:
-            env.close()
+    with _environment(tmp_path, fresh_train_worlds=6, fresh_world=big) as env:
+        seed = env.train_tasks()[0].data[WORLD_SEED]
+        world = generate_world(seed, "train", WorldSizes(**big))
+        assert len(world.people) == 300 and len(world.countries) == 8
+        retrieval = await env.worlds.get(seed)
+        person = next(iter(world.people))
+        assert person in [h.title for h in await retrieval.search(person, 3)]
 
 
 async def test_fresh_worlds_can_be_searched_among_the_training_worlds(tmp_path: Path) -> None:
     spec = SMALL.model_copy(update={"train_worlds": 3})
-    kb = build_cpu_kb(tmp_path / "kb", spec)
-    distractors = training_world_documents(kb)
-    heldout_titles = {d["contents"].split("\n")[0] for d in iter_corpus(kb / "corpus.jsonl")} - {
-        d["contents"].split("\n")[0] for d in distractors
-    }
-    assert distractors and heldout_titles  # the held-out world's documents are not distractors
-    index = BM25Index.build(kb / "corpus.jsonl", tmp_path / "index")
-    with serve_in_thread(create_app(index)) as port:
-        env = DeepResearchEnvironment(
-            tmp_path,
-            kb_dir=kb,
-            retrieval_url=f"http://127.0.0.1:{port}",
-            fresh_train_worlds=12,
-            fresh_distractors=True,
-        )
-        try:
-            tasks = env.train_tasks()
-            seed = tasks[0].data[WORLD_SEED]
-            retrieval = await env.worlds.get(seed)
-            world = generate_world(seed, "train", FRESH_WORLD)
-            assert len(retrieval.index) == len(list(world.documents("w"))) + len(distractors)
-            questions = generate_questions(world, 6, seed=seed, id_prefix=f"fresh{seed}-")
-            answered = 0
-            for question in questions:  # the world's own entities are still found first
-                run = await run_oracle(question, retrieval.search, AgentConfig())
-                answered += run.answer in question.golden_answers
-            assert answered >= 5
-            # A search for a distractor's name finds it: the training worlds are in the index.
-            title = distractors[0]["contents"].split("\n")[0].strip('"')
-            assert title in [h.title for h in await retrieval.search(title, 3)]
-        finally:
-            env.close()
+    with _environment(tmp_path, spec, fresh_train_worlds=12, fresh_distractors=True) as env:
+        distractors = training_world_documents(tmp_path / "kb")
+        all_ids = {d["id"] for d in iter_corpus(tmp_path / "kb" / "corpus.jsonl")}
+        heldout_ids = all_ids - {d["id"] for d in distractors}
+        assert distractors and heldout_ids  # the held-out world's documents are no distractors
+        assert all(i.startswith("h") for i in heldout_ids)
+        seed = env.train_tasks()[0].data[WORLD_SEED]
+        retrieval = await env.worlds.get(seed)
+        world = generate_world(seed, "train", FRESH_WORLD)
+        assert len(retrieval.index) == len(list(world.documents("w"))) + len(distractors)
+        answered = 0
+        for question in generate_questions(world, 6, seed=seed, id_prefix=f"fresh{seed}-"):
+            run = await run_oracle(question, retrieval.search, AgentConfig())
+            answered += run.answer in question.golden_answers
+        assert answered >= 5  # the world's own entities are still found among the distractors
+        title = distractors[0]["contents"].split("\n")[0].strip('"')
+        assert title in [h.title for h in await retrieval.search(title, 3)]  # and they are there
