@@ -221,6 +221,10 @@ def test_the_oracle_answers_through_search_and_writes_a_chat_transcript(tmp_path
     # The second search is what the first document said, not the question's gold chain.
     second = json.loads(two_hop.messages[4]["tool_calls"][0]["function"]["arguments"])["query"]
     assert second in two_hop.messages[3]["content"]
+    # The first reasoning says how many searches the question needs.
+    assert two_hop.messages[2]["reasoning_content"].startswith("I need two searches.")
+    one_hop = next(r for r, q in zip(runs, questions, strict=True) if q.hops == 1 and r.answer)
+    assert one_hop.messages[2]["reasoning_content"].startswith("I need one search.")
     line = json.loads(transcript_line(two_hop))
     assert line["tools"][0]["function"]["name"] == "search"
     assert line["messages"][-1]["content"] == f"<answer>{two_hop.answer}</answer>"

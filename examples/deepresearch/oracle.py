@@ -9,6 +9,13 @@ The same run, written as chat messages (the agent's system prompt and tools, a s
 per turn, the tool calls and the tool results as they came back), is the supervised warm start:
 exactly the conversation the agent would have had, so `lockgate sft` teaches the format and the
 RL phase starts from a policy that already searches.
+
+The first reasoning says how many searches the question needs ("I need two searches."). Without
+it, whether to search again or answer is decided after reading a fact ("X works for Y."), many
+tokens after the question's wording that tells a 1-hop question from a 2-hop one; the 3.5M
+model did not tie that decision to the question, and RL, rewarded mostly on 1-hop questions,
+made it answer 2-hop ones after the first search (README). Said up front, the count is read
+where the question is still close, and the later decision can look back at it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from lockgate.examples.deepresearch.questions import Question
 from lockgate.examples.deepresearch.retrieval.client import Hit
 
 Search = Callable[[str, int], Awaitable[list[Hit]]]
+
+_PLANS = {1: "I need one search.", 2: "I need two searches."}  # words the tokenizer holds
 
 # What a fact looks like in a document, and how the oracle says it in its reasoning.
 _FACTS: dict[str, tuple[re.Pattern[str], str]] = {
@@ -92,8 +101,9 @@ async def run_oracle(question: Question, search: Search, config: AgentConfig) ->
         {"role": "user", "content": question.question},
     ]
     entity = question.chain[0].entity
-    reasoning, said = f"I need to find {entity}.", ""
-    for n, fact in enumerate(KIND_FACTS[_kind(question)]):
+    facts = KIND_FACTS[_kind(question)]
+    reasoning, said = f"{_PLANS[len(facts)]} I need to find {entity}.", ""
+    for n, fact in enumerate(facts):
         hits = await search(entity, config.topk)
         messages += _tool_turn(reasoning, n, entity, format_hits(hits, config.doc_chars))
         page = next((h for h in hits if h.title == entity), None)
