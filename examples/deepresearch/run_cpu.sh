@@ -5,7 +5,7 @@
 #   2. supervised warm start with `lockgate sft`: copy drills (the model learns to copy a name),
 #      then one pass over the oracle's transcripts (it learns to search, read and answer);
 #   3. held-out evaluation of the SFT model, with the oracle and no-search baselines;
-#   4. fully-async GRPO through the gateway with `lockgate train` (validation every 4 steps);
+#   4. fully-async GRPO through the gateway with `lockgate train` (greedy validation every 8 steps);
 #   5. held-out evaluation of the RL model, the report's plots, and the before -> after lines.
 # SEED=1 ./examples/deepresearch/run_cpu.sh runs another seed (SFT and RL); extra arguments go
 # to `lockgate train` (e.g. --set loop.steps=5).
