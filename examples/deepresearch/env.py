@@ -15,10 +15,11 @@ Config (`environment.args`, all optional):
 - `fresh_world`: those worlds' sizes (`WorldSizes` fields: people, organisations, cities,
   countries; default 60/15/12/4; the held-out world is 300/60/40/8). In a world of 4 countries
   a guess answers a country question one time in four; on held-out-sized worlds RL still
-  learnt to skip the second search (README), so that is not why it does.
+  learnt to skip the second search (EXPERIMENTS.md), so that is not why it does.
 - `fresh_two_hop_share`: the share of 2-hop questions among them (default 0.5, as the held-out
   split). RL's positive advantages come mostly from 1-hop questions, which succeed more often;
-  a larger share gives 2-hop groups (and the second search they need) more of the update.
+  a larger share gives 2-hop groups (and the second search they need) more of the update. At
+  0.75 (run F) 1-hop questions got second searches too; the recipe keeps 0.5.
 - `fresh_distractors`: search each fresh world together with the knowledge base's training
   worlds (~9,000 documents), as the held-out world is searched; off, a world is searched alone.
 - `agent`: the agent's settings (`AgentConfig`: max_turns, topk, max_tokens, ...).

@@ -55,7 +55,7 @@ class Summary(BaseModel):
     by_hops: dict[str, float]
     ended: dict[str, int]
     # Mean tool calls per episode by hop count: RL that helps 1-hop questions by answering
-    # after one search shows here as 2-hop questions searched once (README).
+    # after one search shows here as 2-hop questions searched once (EXPERIMENTS.md).
     tool_calls_by_hops: dict[str, float] = {}
 
     def line(self) -> str:

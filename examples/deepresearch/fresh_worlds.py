@@ -1,7 +1,7 @@
 """Training questions over fresh worlds, each searched in its own in-process BM25 index.
 
 RL over a fixed training split, even one of 100 small worlds, raised the training reward while
-held-out success fell (README, Results): a run meets the same cities and countries again and
+held-out success fell (EXPERIMENTS.md): a run meets the same cities and countries again and
 again and can learn them. Here every training question comes from a world no earlier question
 used (as the SFT transcripts do, prepare.py), and the agent searches that world alone, so
 nothing but reading can raise the reward. Validation keeps the knowledge base's held-out world
@@ -80,7 +80,7 @@ class WorldRetrievals:
     Distractors make a fresh world as hard to search as the held-out one, which is searched
     among the ~9,000 documents of the knowledge base's training worlds: alone, a fresh world's
     ~90 documents let a misspelt name still find its entity, so RL learnt reading habits that
-    failed on held-out 2-hop questions (README).
+    failed on held-out 2-hop questions (EXPERIMENTS.md, run G).
     """
 
     def __init__(

@@ -6,7 +6,7 @@ when the answer is wrong, and is off by default. So does an optional evidence te
 episode whose tool results showed a gold answer (`shows_answer`) earns it whatever it
 answered. On 2-hop questions it tells a second search that found the answer's page from an
 early wrong answer, which F1 alone scores the same (zero). RL without it taught the small model
-to answer after one search; with it (0.2-0.3) that went more slowly, but still went (README).
+to answer after one search; with it (0.2-0.3) that went more slowly, but still went (EXPERIMENTS.md).
 """
 
 from __future__ import annotations
