@@ -108,7 +108,9 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
     assert [len(report["outcomes"][n]) for n in names] == [4, 8, 4, 8, 4]
     assert report["summaries"][0]["success"] >= 0.75  # the oracle finds what it needs
     oracle_calls = report["summaries"][0]["tool_calls_by_hops"]
-    assert all(oracle_calls[h] >= int(h) for h in oracle_calls)  # a search per hop
+    # One search for a 1-hop question; a 2-hop one stops early only where a search failed.
+    assert oracle_calls.get("1", 1.0) == 1.0
+    assert all(1.0 <= v <= 2.0 for v in oracle_calls.values())
     compared = subprocess.run(
         [sys.executable, "-m", "lockgate.examples.deepresearch.evaluate", "compare", str(out), str(out)],
         capture_output=True, text=True, check=True,

@@ -14,8 +14,8 @@ The first reasoning says how many searches the question needs ("I need two searc
 it, whether to search again or answer is decided after reading a fact ("X works for Y."), many
 tokens after the question's wording that tells a 1-hop question from a 2-hop one; the 3.5M
 model did not tie that decision to the question, and RL, rewarded mostly on 1-hop questions,
-made it answer 2-hop ones after the first search (EXPERIMENTS.md). Said up front, the count is read
-where the question is still close, and the later decision can look back at it.
+made it answer 2-hop ones after the first search (EXPERIMENTS.md). Said up front, the count is
+read where the question is still close, and the later decision can look back at it.
 """
 
 from __future__ import annotations
