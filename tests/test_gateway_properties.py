@@ -34,6 +34,7 @@ from lockgate.gateway.calls.rendering import (
     PreviousTurn,
     _to_renderer_message,
     _tool_specs,
+    token_array,
 )
 from lockgate.gateway.calls.stops import StopScanner, as_list, cut_at_stop
 from lockgate.gateway.schema import ChatMessage, ToolSpec
@@ -285,8 +286,8 @@ def _previous(
     return PreviousTurn(
         messages=[m.model_dump(exclude_none=True) for m in first],
         tools=None if tools is None else [t.model_dump(exclude_none=True) for t in tools],
-        prompt_ids=prompt,
-        completion_ids=completion,
+        prompt_ids=token_array(prompt),
+        completion_ids=token_array(completion),
     )
 
 

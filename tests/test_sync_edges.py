@@ -5,6 +5,7 @@ that comes back from a restart. The real-vLLM side is in test_sync_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -368,3 +369,53 @@ async def test_a_replica_back_from_a_restart_waits_for_the_next_load(tmp_path: P
 async def _load_after_pause(stack: Stack, path: str, version: int) -> httpx.Response:
     assert (await stack.admin("/admin/pause", {"mode": "abort"})).status_code == 200
     return await stack.admin("/admin/weights", {"version": version, "path": path})
+
+
+class _Replica:
+    def __init__(self, url: str, order: list[str]) -> None:
+        self.url = url
+        self._order = order
+
+    async def pause(self, mode: str) -> float | None:
+        self._order.append(f"pause {mode}")
+        return 0.001
+
+
+class _Pool:
+    def __init__(self, clients: list[_Replica]) -> None:
+        self._clients = clients
+
+    def healthy_clients(self) -> list[_Replica]:
+        return self._clients
+
+
+async def test_an_abort_pause_reaches_the_replicas_before_the_cut_calls_unwind() -> None:
+    # On a loop busy with hundreds of cut calls, each pause request queued behind them waited
+    # for all of them (benchmarks/README.md, "Scale simulation"); and a collection starting
+    # inside the pause would stop the loop with every replica still generating.
+    from lockgate.gateway.replicas.pause import PauseGate, Segment
+    from lockgate.gateway.sync.controller import SyncController
+
+    order: list[str] = []
+    collecting: list[bool] = []
+    gate = PauseGate()
+
+    async def call(segment: Segment) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            order.append("cut")
+            collecting.append(gc.isenabled())
+            gate.end(segment)
+            raise
+
+    for _ in range(3):
+        segment, _version = await gate.admit()
+        segment.task = asyncio.create_task(call(segment))
+    await asyncio.sleep(0)  # the calls are running
+    pool = _Pool([_Replica("http://a", order), _Replica("http://b", order)])
+    report = await SyncController(gate, pool).pause("abort", timeout_s=5)  # type: ignore[arg-type]
+    assert order == ["pause abort"] * 2 + ["cut"] * 3
+    assert report.interrupted == 0 and report.engines_paused_s == 0.001
+    assert collecting == [False] * 3 and gc.isenabled()
+    assert gate.state == "paused"

@@ -50,7 +50,7 @@ def _extends(prompt_ids: list[int], previous: PreviousTurn | None) -> bool:
     if previous is None:
         return False
     before = previous.prompt_ids + previous.completion_ids
-    return len(prompt_ids) >= len(before) and prompt_ids[: len(before)] == before
+    return len(prompt_ids) >= len(before) and prompt_ids[: len(before)] == before.tolist()
 
 
 async def complete(

@@ -39,6 +39,7 @@ from lockgate.gateway.calls.rendering import (
     ParsedCompletion,
     PreviousTurn,
     RenderedPrompt,
+    token_array,
 )
 from lockgate.gateway.calls.stops import StopScanner, as_list, cut_at_stop
 from lockgate.gateway.config import GatewayConfig
@@ -324,7 +325,10 @@ def _previous_turn(call: CallRecord) -> PreviousTurn:
 def _raw_turn(call: CallRecord) -> PreviousTurn:
     """A /v1/completions call: its tokens, but no chat a later chat call could continue."""
     return PreviousTurn(
-        messages=None, tools=None, prompt_ids=call.prompt_ids, completion_ids=call.completion_ids
+        messages=None,
+        tools=None,
+        prompt_ids=token_array(call.prompt_ids),
+        completion_ids=token_array(call.completion_ids),
     )
 
 
@@ -334,6 +338,6 @@ def _turn(
     return PreviousTurn(
         messages=[m.model_dump(exclude_none=True) for m in req.messages],
         tools=None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools],
-        prompt_ids=prompt_ids,
-        completion_ids=completion_ids,
+        prompt_ids=token_array(prompt_ids),
+        completion_ids=token_array(completion_ids),
     )

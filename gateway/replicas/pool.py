@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 
 from lockgate.gateway.replicas.replica_client import ReplicaClient
-from lockgate.gateway.replicas.routing import ReplicaLoad, choose_replica
+from lockgate.gateway.replicas.routing import choose_replica
 from lockgate.gateway.replicas.upstream import Upstream
 from lockgate.gateway.schema import ReplicaStatus
 
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Replica:
     client: ReplicaClient
+    url: str
     healthy: bool = True
     in_flight: int = 0
     failures: int = 0  # consecutive
@@ -57,7 +58,9 @@ class ReplicaPool:
         client = ReplicaClient(url, self._http, self._upstream)
         replica = self._replicas.setdefault(
             client.url,
-            _Replica(client, version=self._initial_version if version is None else version),
+            _Replica(
+                client, client.url, version=self._initial_version if version is None else version
+            ),
         )
         return replica.client
 
@@ -104,14 +107,14 @@ class ReplicaPool:
         self, session_id: str, version: int, exclude: frozenset[str] = frozenset()
     ) -> ReplicaClient | None:
         """A replica serving `version` for this session (sticky, least-loaded fallback)."""
-        loads = [
-            ReplicaLoad(
-                url, r.healthy and not r.stale and r.version == version, r.in_flight, r.sessions
-            )
-            for url, r in self._replicas.items()
+        # Once per segment on the event loop every call shares: the pool's own records go to
+        # the policy as they are (a record object per replica per pick cost ~0.5 ms at 64
+        # replicas, benchmarks/README.md "Scale simulation").
+        serving = [
+            r for r in self._replicas.values() if r.healthy and not r.stale and r.version == version
         ]
         sticky = self._sticky.get(session_id)
-        url = choose_replica(loads, sticky, max_imbalance=self._max_imbalance, exclude=exclude)
+        url = choose_replica(serving, sticky, max_imbalance=self._max_imbalance, exclude=exclude)
         if url is None:
             return None
         if url != sticky:

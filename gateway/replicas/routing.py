@@ -18,6 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class Load(Protocol):
+    """What routing reads of a replica; the pool passes its own records, built for nothing."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def sessions(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,7 @@ class ReplicaLoad:
 
 
 def choose_replica(
-    replicas: Sequence[ReplicaLoad],
+    replicas: Sequence[Load],
     sticky: str | None,
     *,
     max_imbalance: int = 4,

@@ -23,8 +23,11 @@ still hold, and the gateway still serves, the old version, and the error says so
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 
 from lockgate.gateway.errors import GatewayError, conflict
 from lockgate.gateway.replicas.pause import PauseGate
@@ -42,6 +45,22 @@ from lockgate.gateway.schema import (
 from lockgate.gateway.sync.weights import NotStaged, WeightTransport, kernel_layout, transport_for
 
 log = logging.getLogger(__name__)
+
+_SentPauses = tuple[list[ReplicaClient], list["asyncio.Future[float | None]"]]
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection starts while the gateway pauses: a full one walks every session's
+    state with the event loop stopped (0.1-0.4 s at 2,000 sessions, benchmarks/README.md
+    "Scale simulation"), and every replica keeps generating until the pause reaches it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class SyncController:
@@ -61,53 +80,66 @@ class SyncController:
         async with self._lock:
             if self.gate.state != "serving":
                 raise conflict(f"the gateway is {self.gate.state}; resume it before pausing again")
-            started = time.perf_counter()
-            cut_before, kept_before = self.gate.interruptions, self.gate.tokens_kept
-            await self.gate.set_state("pausing")
-            idle_s = replicas_s = 0.0
-            engines_s: float | None = None
-            try:
-                if mode == "abort":
-                    self._cut_segments()
-                    if any(seg.constrained for seg in self.gate.segments.values()):
-                        # Constrained segments finish before vLLM's own pause would abort them.
-                        await self._wait_idle_or_fail(timeout_s, mode)
+            with _no_collection():
+                return await self._pause(mode, timeout_s)
 
-                    async def replicas_paused() -> float:
-                        nonlocal engines_s
-                        engines_s = await self._pause_replicas("abort")
-                        return time.perf_counter() - started
-
-                    async def idle() -> float:
-                        await self._wait_idle_or_fail(timeout_s, mode)
-                        return time.perf_counter() - started
-
-                    # Side by side: the cut streams wind down while vLLM pauses its engines.
-                    replicas_s, idle_s = await asyncio.gather(replicas_paused(), idle())
-                elif mode == "keep":
-                    engines_s = await self._pause_replicas("keep")
-                else:
+    async def _pause(self, mode: PauseMode, timeout_s: float) -> PauseReport:
+        started = time.perf_counter()
+        cut_before, kept_before = self.gate.interruptions, self.gate.tokens_kept
+        await self.gate.set_state("pausing")
+        idle_s = replicas_s = 0.0
+        engines_s: float | None = None
+        try:
+            if mode == "abort":
+                constrained = any(seg.constrained for seg in self.gate.segments.values())
+                # Queued before the cut streams' cancellations, the replicas' pause requests
+                # go out first in the loop's next round, not after every cut call unwound.
+                sent = None if constrained else self._send_pauses("abort")
+                self._cut_segments()
+                if constrained:
+                    # Constrained segments finish before vLLM's own pause would abort them.
                     await self._wait_idle_or_fail(timeout_s, mode)
-            except BaseException:
-                await self._undo_pause()
-                raise
-            await self.gate.set_state("paused")
-            return PauseReport(
-                mode=mode,
-                latency_s=time.perf_counter() - started,
-                interrupted=self.gate.interruptions - cut_before,
-                tokens_kept=self.gate.tokens_kept - kept_before,
-                frozen=self.gate.in_flight if mode == "keep" else 0,
-                version=self.gate.version,
-                streams_closed_s=idle_s,
-                replicas_paused_s=replicas_s,
-                engines_paused_s=engines_s,
-            )
 
-    async def _pause_replicas(self, mode: str) -> float | None:
-        """Pause every healthy replica in vLLM; the longest time an engine reported taking."""
+                async def replicas_paused() -> float:
+                    nonlocal engines_s
+                    engines_s = await self._pause_replicas("abort", sent)
+                    return time.perf_counter() - started
+
+                async def idle() -> float:
+                    await self._wait_idle_or_fail(timeout_s, mode)
+                    return time.perf_counter() - started
+
+                # Side by side: the cut streams wind down while vLLM pauses its engines.
+                replicas_s, idle_s = await asyncio.gather(replicas_paused(), idle())
+            elif mode == "keep":
+                engines_s = await self._pause_replicas("keep")
+            else:
+                await self._wait_idle_or_fail(timeout_s, mode)
+        except BaseException:
+            await self._undo_pause()
+            raise
+        await self.gate.set_state("paused")
+        return PauseReport(
+            mode=mode,
+            latency_s=time.perf_counter() - started,
+            interrupted=self.gate.interruptions - cut_before,
+            tokens_kept=self.gate.tokens_kept - kept_before,
+            frozen=self.gate.in_flight if mode == "keep" else 0,
+            version=self.gate.version,
+            streams_closed_s=idle_s,
+            replicas_paused_s=replicas_s,
+            engines_paused_s=engines_s,
+        )
+
+    def _send_pauses(self, mode: str) -> _SentPauses:
         clients = self.pool.healthy_clients()
-        results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
+        return clients, [asyncio.ensure_future(c.pause(mode)) for c in clients]
+
+    async def _pause_replicas(self, mode: str, sent: _SentPauses | None = None) -> float | None:
+        """Pause every healthy replica in vLLM (or await the pauses `_send_pauses` sent); the
+        longest time an engine reported taking."""
+        clients, pauses = sent or self._send_pauses(mode)
+        results = await asyncio.gather(*pauses, return_exceptions=True)
         engines_s: float | None = None
         for client, result in zip(clients, results, strict=True):
             if isinstance(result, BaseException):
