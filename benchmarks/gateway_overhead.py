@@ -144,7 +144,7 @@ def rig(workdir: Path, gateway_cores: set[int], other_cores: set[int]) -> Iterat
     }
     direct_body = orjson.dumps(
         {
-            "token_ids": prompt.prompt_ids,
+            "token_ids": prompt.prompt_ids.tolist(),
             "sampling_params": sampling,
             "request_id": "bench",
             "stream": True,

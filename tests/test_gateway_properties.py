@@ -313,7 +313,7 @@ def test_a_bridged_turn_starts_with_the_previous_calls_exact_tokens(
     one it does not is the full render."""
     tools = _specs(data.draw(st.sampled_from([None, TOOLS[:1], TOOLS]), label="tools"))
     first = _messages(data.draw(conversations(), label="first"))
-    prompt = renderer.render_prompt(first, tools, None).prompt_ids
+    prompt = renderer.render_prompt(first, tools, None).prompt_ids.tolist()
     completion = data.draw(token_ids(renderer), label="completion")
     if completion and data.draw(st.booleans(), label="ends with <|endoftext|>"):
         completion[-1] = renderer.stop_token_ids[-1]
@@ -328,7 +328,7 @@ def test_a_bridged_turn_starts_with_the_previous_calls_exact_tokens(
     bridged = renderer.render_prompt(second, tools, _previous(first, tools, prompt, completion))
     if bridged.extends_previous:
         before = prompt + completion
-        assert bridged.prompt_ids[: len(before)] == before
+        assert bridged.prompt_ids[: len(before)].tolist() == before
     else:
         assert bridged.prompt_ids == renderer.render_prompt(second, tools, None).prompt_ids
 
@@ -359,7 +359,7 @@ def test_bridging_what_the_template_writes_equals_a_full_render(
     raw_tools = data.draw(st.sampled_from([TOOLS[:1], TOOLS]), label="tools")
     tools = _specs(raw_tools)
     first = _messages(data.draw(conversations(), label="first"))
-    prompt = renderer.render_prompt(first, tools, None).prompt_ids
+    prompt = renderer.render_prompt(first, tools, None).prompt_ids.tolist()
     answer = data.draw(_assistant_answers(), label="answer")
     # The template's tokens for the answer: the render with it, past the prompt, to its end.
     whole = renderer._renderer.render_ids(

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lockgate.gateway.calls.rendering import ChatRenderer, ParsedCompletion
+from lockgate.gateway.calls.rendering import ChatRenderer, ParsedCompletion, token_array
 from lockgate.gateway.calls.stops import cut_at_stop
 from lockgate.gateway.schema import AssistantMessage, ToolSpec
 
@@ -48,7 +48,7 @@ class DeltaTracker:
         stops: Sequence[str] = (),
     ) -> None:
         self._renderer = renderer
-        self._prompt_ids = list(prompt_ids)
+        self._prompt_ids = token_array(prompt_ids)
         self._tools = tools
         self._stop_at = renderer.tool_call_start_id
         self._stops = [x for x in stops if x]

@@ -16,7 +16,7 @@ from lockgate.gateway.calls.bounds import (
     check_token_budget,
 )
 from lockgate.gateway.calls.pipeline import Call, CallPipeline
-from lockgate.gateway.calls.rendering import PreviousTurn, RenderedPrompt
+from lockgate.gateway.calls.rendering import PreviousTurn, RenderedPrompt, token_array
 from lockgate.gateway.calls.stops import as_list, cut_at_stop
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import bad_request, conflict
@@ -84,7 +84,9 @@ async def complete(
             code="context_length_exceeded",
         )
     previous = await pipeline.last_turn_of(session.id)
-    prompt = RenderedPrompt(prompt_ids=prompt_ids, extends_previous=_extends(prompt_ids, previous))
+    prompt = RenderedPrompt(
+        token_array(prompt_ids), extends_previous=_extends(prompt_ids, previous)
+    )
     sampling = pipeline.sampling_for(req, room)
     call = pipeline.new_call(session, raw, prompt, sampling, req.stop)
     await pipeline.generate(call)

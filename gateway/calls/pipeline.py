@@ -295,7 +295,7 @@ class CallPipeline:
             index=call.index,
             request=call.raw,
             sampling=call.sampling,
-            prompt_ids=call.prompt.prompt_ids,
+            prompt_ids=call.prompt.prompt_ids.tolist(),
             completion_ids=s.token_ids,
             logprobs=s.logprobs,
             versions=s.spans(),

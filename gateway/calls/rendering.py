@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ def token_array(ids: Iterable[int]) -> array[int]:
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    prompt_ids: list[int]
+    prompt_ids: array[int]  # a C array, as PreviousTurn's: held for the call's whole life
     extends_previous: bool
 
 
@@ -94,14 +94,14 @@ class ChatRenderer:
                     tools=spec,
                 )
                 if bridged is not None:
-                    return RenderedPrompt(list(bridged.token_ids), extends_previous=True)
+                    return RenderedPrompt(token_array(bridged.token_ids), extends_previous=True)
         ids = self._renderer.render_ids(
             [_to_renderer_message(m) for m in messages], tools=spec, add_generation_prompt=True
         )
-        return RenderedPrompt(list(ids), extends_previous=False)
+        return RenderedPrompt(token_array(ids), extends_previous=False)
 
     def parse_completion(
-        self, completion_ids: list[int], prompt_ids: list[int], tools: list[ToolSpec] | None
+        self, completion_ids: list[int], prompt_ids: Sequence[int], tools: list[ToolSpec] | None
     ) -> ParsedCompletion:
         parsed = self._renderer.parse_response(
             list(completion_ids), tools=_tool_specs(tools), prompt_ids=list(prompt_ids)

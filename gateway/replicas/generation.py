@@ -130,7 +130,7 @@ class CallGenerator:
         pool: ReplicaPool,
         *,
         session_id: str,
-        prompt_ids: list[int],
+        prompt_ids: Sequence[int],
         sampling: dict[str, Any],
         partial_rollout: bool = True,
         stop: StopWatch | None = None,
@@ -302,14 +302,15 @@ class CallGenerator:
         in time; cancelling it closes the upstream stream, which aborts the request in vLLM.
         """
         queue: asyncio.Queue[ReplicaChunk | _SegmentEnd] = asyncio.Queue()
-        prompt = self._prompt_ids + self.sampled.token_ids
         sampling = {**self._sampling, "max_tokens": remaining}
 
-        async def pump() -> None:
+        async def pump(prompt: list[int]) -> None:
+            stream = replica.generate_stream(prompt, sampling, request_id=segment.request_id)
+            # The stream holds the prompt only until its request is encoded: thousands of ids
+            # per call in flight, which no collection should have to walk (api/server.py).
+            del prompt
             async with self._pool.lease(replica):
-                async for chunk in replica.generate_stream(
-                    prompt, sampling, request_id=segment.request_id
-                ):
+                async for chunk in stream:
                     queue.put_nowait(chunk)
 
         def ended(task: asyncio.Task[None]) -> None:
@@ -324,7 +325,9 @@ class CallGenerator:
             else:
                 queue.put_nowait(_SegmentEnd("done"))
 
-        task = asyncio.create_task(pump(), name=f"segment-{segment.request_id}")
+        task = asyncio.create_task(
+            pump([*self._prompt_ids, *self.sampled.token_ids]), name=f"segment-{segment.request_id}"
+        )
         task.add_done_callback(ended)
         segment.task = task
         try:

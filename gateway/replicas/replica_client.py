@@ -155,15 +155,18 @@ class ReplicaClient:
         """Stream one generation. Always streamed, so that the tokens received before a replica
         dies are kept; closing the iterator early aborts the request in vLLM. Chunks that
         arrive in one read come as one."""
-        body = {
-            "token_ids": prompt_ids,
-            # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
-            "sampling_params": {"logprobs": 0, **sampling},
-            "request_id": request_id,
-            "stream": True,
-        }
+        body = orjson.dumps(
+            {
+                "token_ids": prompt_ids,
+                # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
+                "sampling_params": {"logprobs": 0, **sampling},
+                "request_id": request_id,
+                "stream": True,
+            }
+        )
+        del prompt_ids  # encoded: not held for the stream's minutes (generation.py's pump)
         finished = False
-        async with self._upstream.post_stream(self._generate_url, orjson.dumps(body)) as resp:
+        async with self._upstream.post_stream(self._generate_url, body) as resp:
             if resp.status >= 500:
                 text = (await resp.read()).decode(errors="replace")
                 raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status}: {text[:300]}")
