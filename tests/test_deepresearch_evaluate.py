@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lockgate.examples.deepresearch.evaluate import Outcome, summarize
+from lockgate.examples.deepresearch.evaluate import Outcome, Report, seed_rows, summarize
 
 
 def _outcome(qid: str, em: float, hops: int = 1) -> Outcome:
@@ -31,3 +31,32 @@ def test_several_episodes_of_a_question_count_as_one_question() -> None:
     assert s.success_se == pytest.approx(math.sqrt(0.25 / 3))  # var of (1, 0, 0.5) is 0.25
     assert s.by_hops == {"1": 0.5, "2": 0.5}
     assert s.tool_calls_by_hops == {"1": 1.0, "2": 2.0}
+
+
+def _report(**success: float) -> Report:
+    """A report whose policy `name` (underscores for spaces) succeeds on a share `v` of two
+    questions' episodes (each question answered with exact match v)."""
+    return Report(
+        model="m",
+        questions="q",
+        elapsed_s=0.0,
+        summaries=[
+            summarize(name.replace("_", " "), [_outcome("a", v), _outcome("b", v)])
+            for name, v in success.items()
+        ],
+        outcomes={},
+    )
+
+
+def test_the_seed_table_pairs_each_rl_model_with_its_own_start() -> None:
+    seeds = [
+        {"sft": _report(oracle=0.9, model_T_1=0.3), "rl": _report(model_T_1=0.4)},
+        {"sft": _report(oracle=0.9, model_T_1=0.5), "rl": _report(model_T_1=0.5)},
+        {"sft": _report(oracle=0.9, model_T_1=0.2)},  # RL did not run: no gain for this seed
+    ]
+    rows = seed_rows(seeds)
+    assert rows["oracle"] == [0.9, 0.9, 0.9]
+    assert rows["SFT model T 1"] == [0.3, 0.5, 0.2]
+    assert rows["RL model T 1"] == [0.4, 0.5]
+    assert rows["gain RL - SFT, model T 1"] == pytest.approx([0.1, 0.0])
+    assert "RL oracle" not in rows

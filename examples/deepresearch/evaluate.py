@@ -260,25 +260,48 @@ def _compare(before_path: Path, after_path: Path) -> int:
     return 0
 
 
-def _table(run_dirs: list[Path]) -> int:
-    """A markdown table over seeds: mean ± standard error of each row's held-out success."""
+def seed_rows(runs: list[dict[str, Report]]) -> dict[str, list[float]]:
+    """Held-out success over seeds, per row; `runs` holds each seed's reports by stage ("sft",
+    "rl"). The gain rows pair each seed's RL model with its own SFT start: the seeds' starts
+    differ by more than the gain, so the gain's spread over seeds is the one to read."""
     rows: dict[str, list[float]] = {}
-    for run in run_dirs:
-        for stage in ("sft", "rl"):
-            path = run / f"eval_{stage}.json"
-            if not path.is_file():
-                continue
-            for s in Report.model_validate_json(path.read_text()).summaries:
+    for reports in runs:
+        for stage, report in reports.items():
+            for s in report.summaries:
                 if stage == "rl" and not s.name.startswith("model"):
                     continue  # the baselines do not change with RL
                 label = s.name if not s.name.startswith("model") else f"{stage.upper()} {s.name}"
                 rows.setdefault(label, []).append(s.success)
+        if "sft" in reports and "rl" in reports:
+            for s in reports["rl"].summaries:
+                start = reports["sft"].summary(s.name)
+                if s.name.startswith("model") and start is not None:
+                    rows.setdefault(f"gain RL - SFT, {s.name}", []).append(
+                        s.success - start.success
+                    )
+    return rows
+
+
+def _table(run_dirs: list[Path]) -> int:
+    """A markdown table over seeds: mean ± standard error of each row's held-out success."""
+    runs = [
+        {
+            stage: Report.model_validate_json(path.read_text())
+            for stage in ("sft", "rl")
+            if (path := run / f"eval_{stage}.json").is_file()
+        }
+        for run in run_dirs
+    ]
     print("| policy | held-out success (mean ± s.e. over seeds) | seeds |\n|---|---|---|")
-    for label, values in rows.items():
+    for label, values in seed_rows(runs).items():
         n = len(values)
         mean = sum(values) / n
         se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else math.nan
-        print(f"| {label} | {mean:.3f} ± {se:.3f} | {n} |")
+        print(
+            f"| {label} | {mean:+.3f} ± {se:.3f} | {n} |"
+            if label.startswith("gain")
+            else f"| {label} | {mean:.3f} ± {se:.3f} | {n} |"
+        )
     return 0
 
 
