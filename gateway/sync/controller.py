@@ -46,8 +46,6 @@ from lockgate.gateway.sync.weights import NotStaged, WeightTransport, kernel_lay
 
 log = logging.getLogger(__name__)
 
-_SentPauses = tuple[list[ReplicaClient], list["asyncio.Future[float | None]"]]
-
 
 @contextlib.contextmanager
 def _no_collection() -> Iterator[None]:
@@ -91,18 +89,17 @@ class SyncController:
         engines_s: float | None = None
         try:
             if mode == "abort":
-                constrained = any(seg.constrained for seg in self.gate.segments.values())
-                # Queued before the cut streams' cancellations, the replicas' pause requests
-                # go out first in the loop's next round, not after every cut call unwound.
-                sent = None if constrained else self._send_pauses("abort")
+                # Cut first: an engine asked to pause with its streams still running waits out
+                # a longer step and aborts them itself (pausing first made the stand-in engines'
+                # pause p50 20 -> 47 ms, the fan-out's p50 120 -> 231 ms at 64 x 2,000).
                 self._cut_segments()
-                if constrained:
+                if any(seg.constrained for seg in self.gate.segments.values()):
                     # Constrained segments finish before vLLM's own pause would abort them.
                     await self._wait_idle_or_fail(timeout_s, mode)
 
                 async def replicas_paused() -> float:
                     nonlocal engines_s
-                    engines_s = await self._pause_replicas("abort", sent)
+                    engines_s = await self._pause_replicas("abort")
                     return time.perf_counter() - started
 
                 async def idle() -> float:
@@ -131,15 +128,10 @@ class SyncController:
             engines_paused_s=engines_s,
         )
 
-    def _send_pauses(self, mode: str) -> _SentPauses:
+    async def _pause_replicas(self, mode: str) -> float | None:
+        """Pause every healthy replica in vLLM; the longest time an engine reported taking."""
         clients = self.pool.healthy_clients()
-        return clients, [asyncio.ensure_future(c.pause(mode)) for c in clients]
-
-    async def _pause_replicas(self, mode: str, sent: _SentPauses | None = None) -> float | None:
-        """Pause every healthy replica in vLLM (or await the pauses `_send_pauses` sent); the
-        longest time an engine reported taking."""
-        clients, pauses = sent or self._send_pauses(mode)
-        results = await asyncio.gather(*pauses, return_exceptions=True)
+        results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
         engines_s: float | None = None
         for client, result in zip(clients, results, strict=True):
             if isinstance(result, BaseException):
