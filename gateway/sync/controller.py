@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def _no_collection() -> Iterator[None]:
-    """No garbage collection starts while the gateway pauses: a full one walks every session's
+    """No garbage collection starts while the gateway pauses (abort, keep: quick by design;
+    drain waits for whole calls and collects as usual): a full one walks every session's
     state with the event loop stopped (0.1-0.4 s at 2,000 sessions, benchmarks/README.md
     "Scale simulation"), and every replica keeps generating until the pause reaches it."""
     enabled = gc.isenabled()
@@ -78,6 +79,8 @@ class SyncController:
         async with self._lock:
             if self.gate.state != "serving":
                 raise conflict(f"the gateway is {self.gate.state}; resume it before pausing again")
+            if mode == "drain":  # waits out whole calls: minutes without a collection
+                return await self._pause(mode, timeout_s)
             with _no_collection():
                 return await self._pause(mode, timeout_s)
 
