@@ -17,7 +17,9 @@ import pytest
 
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.replicas.pause import PauseGate, Segment
 from lockgate.gateway.replicas.pool import ReplicaPool
+from lockgate.gateway.sync.controller import SyncController
 
 ADMIN = "admin-token-for-sync-edges"
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -392,9 +394,6 @@ class _Pool:
 async def test_no_garbage_collection_starts_inside_an_abort_pause() -> None:
     # A full collection at 2,000 sessions stops the loop for 0.1-0.4 s (benchmarks/README.md,
     # "Scale simulation"): inside a pause, with every replica still generating.
-    from lockgate.gateway.replicas.pause import PauseGate, Segment
-    from lockgate.gateway.sync.controller import SyncController
-
     order: list[str] = []
     collecting: list[bool] = []
     gate = PauseGate()

@@ -297,11 +297,8 @@ def _table(run_dirs: list[Path]) -> int:
         n = len(values)
         mean = sum(values) / n
         se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else math.nan
-        print(
-            f"| {label} | {mean:+.3f} ± {se:.3f} | {n} |"
-            if label.startswith("gain")
-            else f"| {label} | {mean:.3f} ± {se:.3f} | {n} |"
-        )
+        sign = "+" if label.startswith("gain") else ""
+        print(f"| {label} | {mean:{sign}.3f} ± {se:.3f} | {n} |")
     return 0
 
 

@@ -79,9 +79,8 @@ class SyncController:
         async with self._lock:
             if self.gate.state != "serving":
                 raise conflict(f"the gateway is {self.gate.state}; resume it before pausing again")
-            if mode == "drain":  # waits out whole calls: minutes without a collection
-                return await self._pause(mode, timeout_s)
-            with _no_collection():
+            # A drain waits out whole calls: minutes without a collection.
+            with contextlib.nullcontext() if mode == "drain" else _no_collection():
                 return await self._pause(mode, timeout_s)
 
     async def _pause(self, mode: PauseMode, timeout_s: float) -> PauseReport:
