@@ -51,6 +51,13 @@ def replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         replicas.stop()
 
 
+def _terminal_signals() -> None:
+    # A shell starts a background job with SIGINT ignored, and the child inherits that: a suite
+    # started with `.ci/run &` (no job control) had its Ctrl-C test see the run ignore SIGINT
+    # and train to the end. A terminal's foreground job gets SIGINT, so the child must too.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A toy run as a child in a session of its own (as a terminal's foreground job is)."""
 
@@ -70,7 +77,7 @@ class Run:
                 "--set", "trainer.checkpoint_every=1",
             ],
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_terminal_signals,
         )  # fmt: skip
 
     def steps_logged(self) -> int:
