@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from lockgate.examples.deepresearch.evaluate import Outcome, Report, seed_rows, summarize
+from lockgate.examples.deepresearch.evaluate import (
+    Outcome,
+    Report,
+    merge_reports,
+    seed_rows,
+    summarize,
+)
 
 
 def _outcome(qid: str, em: float, hops: int = 1) -> Outcome:
@@ -60,3 +66,37 @@ def test_the_seed_table_pairs_each_rl_model_with_its_own_start() -> None:
     assert rows["RL model T 1"] == [0.4, 0.5]
     assert rows["gain RL - SFT, model T 1"] == pytest.approx([0.1, 0.0])
     assert "RL oracle" not in rows
+
+
+def _episodes(model: str, **outcomes: list[Outcome]) -> Report:
+    return Report(
+        model=model,
+        questions="q",
+        elapsed_s=1.0,
+        summaries=[summarize(k.replace("_", " "), v) for k, v in outcomes.items()],
+        outcomes={k.replace("_", " "): v for k, v in outcomes.items()},
+    )
+
+
+def test_merging_pools_the_episodes_of_each_policy_and_recomputes_its_summary() -> None:
+    a = _episodes(
+        "m",
+        model_T_1=[_outcome("a", 1.0), _outcome("b", 0.0)],
+        model_T_0=[_outcome("a", 1.0), _outcome("b", 1.0)],
+    )
+    b = _episodes("m", model_T_1=[_outcome("a", 0.0), _outcome("b", 0.0)])
+    merged = merge_reports([a, b])
+    t1 = merged.summary("model T 1")
+    assert t1 is not None
+    assert len(merged.outcomes["model T 1"]) == 4
+    assert t1.n == 2  # still two questions, now two episodes each
+    assert t1.success == pytest.approx(0.25)
+    assert t1.success_se == pytest.approx(math.sqrt(0.125 / 2))  # per-question 0.5 and 0
+    greedy = merged.summary("model T 0")
+    assert greedy is not None and greedy.success == pytest.approx(1.0)  # from `a` alone
+    assert merged.elapsed_s == pytest.approx(2.0)
+
+
+def test_evaluations_of_different_models_are_not_merged() -> None:
+    with pytest.raises(ValueError, match="different runs"):
+        merge_reports([_episodes("m1", model_T_1=[]), _episodes("m2", model_T_1=[])])
