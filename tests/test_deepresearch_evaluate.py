@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -84,7 +85,8 @@ def test_merging_pools_the_episodes_of_each_policy_and_recomputes_its_summary() 
         model_T_1=[_outcome("a", 1.0), _outcome("b", 0.0)],
         model_T_0=[_outcome("a", 1.0), _outcome("b", 1.0)],
     )
-    b = _episodes("m", model_T_1=[_outcome("a", 0.0), _outcome("b", 0.0)])
+    # The same model named by its absolute path (one run given a relative one) pools too.
+    b = _episodes(str(Path("m").resolve()), model_T_1=[_outcome("a", 0.0), _outcome("b", 0.0)])
     merged = merge_reports([a, b])
     t1 = merged.summary("model T 1")
     assert t1 is not None

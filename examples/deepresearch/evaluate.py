@@ -189,8 +189,8 @@ class Report(BaseModel):
 
 def merge_reports(reports: Sequence[Report]) -> Report:
     """Evaluations of one model on one question set pooled into one: each policy's episodes
-    together, summaries recomputed. Four more episodes per question at T=1 halve the
-    variance of the sampling, which two runs of four showed to be several points."""
+    together, summaries recomputed. Two runs of k episodes per question pooled halve the
+    variance the sampling adds, which two runs of four showed to be several points."""
     if not reports:
         raise ValueError("nothing to merge")
     first = reports[0]
@@ -295,8 +295,8 @@ def _compare(before_path: Path, after_path: Path) -> int:
 def _merge(out: Path, paths: list[Path]) -> int:
     try:
         merged = merge_reports([Report.model_validate_json(p.read_text()) for p in paths])
-    except ValueError as exc:
-        print(f"evaluate merge: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # a missing file, a file that is no report
+        print(f"evaluate merge: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     out.write_text(merged.model_dump_json(indent=1))
     for s in merged.summaries:
