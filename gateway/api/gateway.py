@@ -40,6 +40,7 @@ from lockgate.gateway.schema import (
     SessionSamples,
 )
 from lockgate.gateway.store.trajectories import SessionRow, TrajectoryStore
+from lockgate.gateway.sync.control_plane import ControlPlane
 from lockgate.gateway.sync.controller import SyncController
 
 
@@ -62,8 +63,11 @@ class Gateway:
         initial = config.initial_weights or (
             str(config.model_dir) if config.initial_version == 0 else None
         )
+        # With its own HTTP stack the gateway sends abort pauses from a thread of their own;
+        # an injected client (tests' mock transports) is reachable only from this loop.
+        self._control = ControlPlane() if http is None else None
         self.sync = SyncController(
-            self.gate, self.pool, DiskWeights(path=initial) if initial else None
+            self.gate, self.pool, DiskWeights(path=initial) if initial else None, self._control
         )
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
@@ -105,6 +109,8 @@ class Gateway:
             await self.http.aclose()
         if self._upstream is not None:
             await self._upstream.aclose()
+        if self._control is not None:
+            await self._control.aclose()
         await self.store.flush()
         self.store.close()
 

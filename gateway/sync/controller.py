@@ -42,6 +42,7 @@ from lockgate.gateway.schema import (
     WeightsLayout,
     WeightSource,
 )
+from lockgate.gateway.sync.control_plane import ControlPlane, PauseResults
 from lockgate.gateway.sync.weights import NotStaged, WeightTransport, kernel_layout, transport_for
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,16 @@ def _no_collection() -> Iterator[None]:
 
 class SyncController:
     def __init__(
-        self, gate: PauseGate, pool: ReplicaPool, current: WeightSource | None = None
+        self,
+        gate: PauseGate,
+        pool: ReplicaPool,
+        current: WeightSource | None = None,
+        control: ControlPlane | None = None,
     ) -> None:
         self.gate = gate
         self.pool = pool
+        # Where abort pauses are sent from (control_plane.py); None: this loop's own clients.
+        self._control = control
         # Where the weights being served came from: what a replica is restored from when a
         # load fails everywhere (None: unknown, no restore).
         self._current: WeightSource | None = current
@@ -99,10 +106,13 @@ class SyncController:
                     # Constrained segments finish before vLLM's own pause would abort them.
                     await self._wait_idle_or_fail(timeout_s, mode)
 
+                # Sent before this coroutine awaits anything (control_plane.py).
+                clients, sent = self._send_pauses("abort")
+
                 async def replicas_paused() -> float:
                     nonlocal engines_s
-                    engines_s = await self._pause_replicas("abort")
-                    return time.perf_counter() - started
+                    engines_s, answered_at = await self._pause_replicas("abort", clients, sent)
+                    return answered_at - started
 
                 async def idle() -> float:
                     await self._wait_idle_or_fail(timeout_s, mode)
@@ -111,7 +121,7 @@ class SyncController:
                 # Side by side: the cut streams wind down while vLLM pauses its engines.
                 replicas_s, idle_s = await asyncio.gather(replicas_paused(), idle())
             elif mode == "keep":
-                engines_s = await self._pause_replicas("keep")
+                engines_s, _ = await self._pause_replicas("keep", *self._send_pauses("keep"))
             else:
                 await self._wait_idle_or_fail(timeout_s, mode)
         except BaseException:
@@ -130,10 +140,34 @@ class SyncController:
             engines_paused_s=engines_s,
         )
 
-    async def _pause_replicas(self, mode: str) -> float | None:
-        """Pause every healthy replica in vLLM; the longest time an engine reported taking."""
+    def _send_pauses(
+        self, mode: str
+    ) -> tuple[list[ReplicaClient], asyncio.Future[PauseResults] | None]:
+        """The healthy replicas, and their pauses already on the way through the control plane
+        (None: sent from this loop by `_pause_replicas`). `keep` stays on this loop: its frozen
+        streams hold the connections it would need."""
         clients = self.pool.healthy_clients()
-        results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
+        if self._control is None or mode != "abort":
+            return clients, None
+        return clients, asyncio.wrap_future(self._control.submit([c.url for c in clients], mode))
+
+    async def _pause_replicas(
+        self,
+        mode: str,
+        clients: list[ReplicaClient],
+        sent: asyncio.Future[PauseResults] | None,
+    ) -> tuple[float | None, float]:
+        """Pause `clients` in vLLM (or wait for `sent`): the longest time an engine reported
+        taking, and when the last one answered (`time.perf_counter`)."""
+        results: list[float | BaseException | None]
+        if sent is not None:
+            paused = await sent
+            results, answered_at = paused.results, paused.answered_at
+        else:
+            results = await asyncio.gather(
+                *(c.pause(mode) for c in clients), return_exceptions=True
+            )
+            answered_at = time.perf_counter()
         engines_s: float | None = None
         for client, result in zip(clients, results, strict=True):
             if isinstance(result, BaseException):
@@ -144,7 +178,7 @@ class SyncController:
                 self._paused_replicas.add(client.url)
                 if result is not None:
                     engines_s = max(result, engines_s or 0.0)
-        return engines_s
+        return engines_s, answered_at
 
     def _cut_segments(self, replica: str | None = None) -> None:
         for segment in list(self.gate.segments.values()):

@@ -1,0 +1,90 @@
+"""A thread with its own event loop and its own connections, that sends the replicas' pauses.
+
+On the gateway's loop an abort pause queued behind that loop's backlog: at 64 replicas and
+2,000 sessions (~90% of a core), ~480 ms of the median pause passed before the first pause
+request left, against ~40 ms from its arrival at the first replica to the last answer
+(benchmarks/README.md, "Where the gateway's time goes"). Here the requests leave as soon as
+this thread gets the interpreter (the switch interval, 5 ms by default), whatever the loop is
+doing; the gateway's loop only cuts its calls and reads the answers.
+
+Its connections are its own: asyncio connections belong to the loop that made them. The
+replicas' state (health, what is paused) stays with the gateway's loop, which reads the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from lockgate.gateway.replicas.http1 import Http1Upstream
+from lockgate.gateway.replicas.replica_client import ReplicaClient
+
+
+class PauseResults:
+    """Each replica's answer in order (the engine's seconds, or the exception it raised), and
+    when the last one came, on this thread's clock (`time.perf_counter`)."""
+
+    def __init__(self, results: list[float | BaseException | None], answered_at: float) -> None:
+        self.results = results
+        self.answered_at = answered_at
+
+
+class ControlPlane:
+    def __init__(self) -> None:
+        # The thread starts with the first pause: a gateway that never syncs needs none.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Made on the control loop, the first time they are needed.
+        self._http: httpx.AsyncClient | None = None
+        self._upstream: Http1Upstream | None = None
+        self._clients: dict[str, ReplicaClient] = {}
+
+    def submit(self, urls: Sequence[str], mode: str) -> concurrent.futures.Future[PauseResults]:
+        """Start pausing every replica in `urls` from the control thread, now: no await comes
+        first, so nothing queued on the caller's loop runs before the requests go."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="lockgate-control", daemon=True
+            )
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self._pause(list(urls), mode), self._loop)
+
+    async def pause(self, urls: Sequence[str], mode: str) -> PauseResults:
+        """`submit`, awaited on the caller's loop."""
+        return await asyncio.wrap_future(self.submit(urls, mode))
+
+    async def _pause(self, urls: list[str], mode: str) -> PauseResults:
+        clients = [self._client(url) for url in urls]
+        results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
+        return PauseResults(list(results), time.perf_counter())
+
+    def _client(self, url: str) -> ReplicaClient:
+        client = self._clients.get(url)
+        if client is None:
+            if self._http is None:
+                self._http = httpx.AsyncClient()
+                self._upstream = Http1Upstream(max_connections=256)
+            client = self._clients[url] = ReplicaClient(url, self._http, self._upstream)
+        return client
+
+    async def aclose(self) -> None:
+        """Close the connections and stop the thread (idempotent)."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), loop))
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, 10)
+        loop.close()
+
+    async def _close(self) -> None:
+        if self._upstream is not None:
+            await self._upstream.aclose()
+        if self._http is not None:
+            await self._http.aclose()
