@@ -68,7 +68,9 @@ class ControlPlane:
         client = self._clients.get(url)
         if client is None:
             if self._http is None:
-                self._http = httpx.AsyncClient()
+                # Direct, as the gateway's own clients are (a proxy from the environment
+                # has no business between a gateway and its replicas).
+                self._http = httpx.AsyncClient(trust_env=False)
                 self._upstream = Http1Upstream(max_connections=256)
             client = self._clients[url] = ReplicaClient(url, self._http, self._upstream)
         return client
