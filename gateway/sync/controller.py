@@ -144,8 +144,8 @@ class SyncController:
         self, mode: str
     ) -> tuple[list[ReplicaClient], asyncio.Future[PauseResults] | None]:
         """The healthy replicas, and their pauses already on the way through the control plane
-        (None: sent from this loop by `_pause_replicas`). `keep` stays on this loop: its frozen
-        streams hold the connections it would need."""
+        (None: sent from this loop by `_pause_replicas`). Only `abort` goes through it, the
+        pause that was measured slow on a busy loop; `keep` is sent from this loop as before."""
         clients = self.pool.healthy_clients()
         if self._control is None or mode != "abort":
             return clients, None
