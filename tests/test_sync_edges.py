@@ -5,6 +5,7 @@ that comes back from a restart. The real-vLLM side is in test_sync_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import pytest
 
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.replicas.pause import PauseGate, Segment
 from lockgate.gateway.replicas.pool import ReplicaPool
 from lockgate.gateway.sync.controller import SyncController
@@ -374,21 +376,30 @@ async def _load_after_pause(stack: Stack, path: str, version: int) -> httpx.Resp
 
 
 class _Replica:
-    def __init__(self, url: str, order: list[str]) -> None:
+    def __init__(self, url: str, order: list[str], answer_after_s: float = 0.0) -> None:
         self.url = url
         self._order = order
+        self._answer_after_s = answer_after_s
 
     async def pause(self, mode: str) -> float | None:
-        self._order.append(f"pause {mode}")
+        self._order.append(f"{self.url} pause {mode}")
+        await asyncio.sleep(self._answer_after_s)
         return 0.001
+
+    async def resume(self) -> None:
+        self._order.append(f"{self.url} resume")
 
 
 class _Pool:
     def __init__(self, clients: list[_Replica]) -> None:
         self._clients = clients
+        self.clients = clients
 
     def healthy_clients(self) -> list[_Replica]:
         return self._clients
+
+    def mark_unhealthy(self, client: _Replica) -> None:
+        raise AssertionError(f"{client.url} was taken out of rotation")
 
 
 async def test_no_garbage_collection_starts_inside_an_abort_pause() -> None:
@@ -415,7 +426,39 @@ async def test_no_garbage_collection_starts_inside_an_abort_pause() -> None:
     report = await SyncController(gate, pool).pause("abort", timeout_s=5)  # type: ignore[arg-type]
     # The calls are cut before the replicas are asked: an engine paused with its streams still
     # running waits out a longer step.
-    assert order == ["cut"] * 3 + ["pause abort"] * 2
+    assert order == ["cut"] * 3 + ["http://a pause abort", "http://b pause abort"]
     assert report.interrupted == 0 and report.engines_paused_s == 0.001
     assert collecting == [False] * 3 and gc.isenabled()
     assert gate.state == "paused"
+
+
+async def test_a_failed_abort_pause_resumes_every_replica_it_reached() -> None:
+    # The cut call never winds down, so the idle wait fails while both replicas are still
+    # answering their pause: both took it, neither had answered, and both must run again.
+    gate = PauseGate()
+    segment, _version = await gate.admit()
+
+    released = asyncio.Event()
+
+    async def stuck_call() -> None:
+        while not released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await released.wait()
+
+    segment.task = asyncio.create_task(stuck_call())
+    await asyncio.sleep(0)
+    order: list[str] = []
+    pool = _Pool([_Replica(u, order, answer_after_s=0.3) for u in ("http://a", "http://b")])
+    controller = SyncController(gate, pool)  # type: ignore[arg-type]
+    with pytest.raises(GatewayError, match="still in flight"):
+        await controller.pause("abort", timeout_s=0.05)
+    assert order == [
+        "http://a pause abort",
+        "http://b pause abort",
+        "http://a resume",
+        "http://b resume",
+    ]
+    assert gate.state == "serving"
+    released.set()
+    await segment.task
+    gate.end(segment)

@@ -119,7 +119,13 @@ class SyncController:
                     return time.perf_counter() - started
 
                 # Side by side: the cut streams wind down while vLLM pauses its engines.
-                replicas_s, idle_s = await asyncio.gather(replicas_paused(), idle())
+                paused = asyncio.ensure_future(replicas_paused())
+                try:
+                    idle_s = await idle()
+                finally:
+                    # Also when the wait fails: the undo must not resume a replica before its
+                    # pause has arrived, or that replica stays paused.
+                    replicas_s = await paused
             elif mode == "keep":
                 engines_s, _ = await self._pause_replicas("keep", *self._send_pauses("keep"))
             else:
@@ -147,6 +153,10 @@ class SyncController:
         (None: sent from this loop by `_pause_replicas`). Only `abort` goes through it, the
         pause that was measured slow on a busy loop; `keep` is sent from this loop as before."""
         clients = self.pool.healthy_clients()
+        # A pause can take effect in vLLM even if its answer never comes back (the pause is
+        # cancelled or fails meanwhile): an undo resumes every replica it was sent to, which is
+        # harmless for one that never paused.
+        self._paused_replicas.update(c.url for c in clients)
         if self._control is None or mode != "abort":
             return clients, None
         return clients, asyncio.wrap_future(self._control.submit([c.url for c in clients], mode))
@@ -172,12 +182,11 @@ class SyncController:
         for client, result in zip(clients, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("replica %s did not pause (%s); out of rotation", client.url, result)
+                self._paused_replicas.discard(client.url)
                 self.pool.mark_unhealthy(client)
                 self._cut_segments(client.url)
-            else:
-                self._paused_replicas.add(client.url)
-                if result is not None:
-                    engines_s = max(result, engines_s or 0.0)
+            elif result is not None:
+                engines_s = max(result, engines_s or 0.0)
         return engines_s, answered_at
 
     def _cut_segments(self, replica: str | None = None) -> None:
