@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from lockgate.gateway.sync.control_plane import ControlPlane
+from lockgate.gateway.sync.control_plane import PAUSE_SWITCH_INTERVAL_S, ControlPlane, PauseResults
 from lockgate.gateway.vllm_ext.routes import PAUSE_PATH
 
 
@@ -51,6 +52,10 @@ def replicas() -> Iterator[list[tuple[str, list[tuple[str, float]]]]]:
         server.server_close()
 
 
+async def _pause(control: ControlPlane, urls: list[str]) -> PauseResults:
+    return await asyncio.wrap_future(control.submit(urls, "abort"))
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,13 +68,16 @@ async def test_pauses_leave_while_the_gateway_loop_is_blocked(
     control = ControlPlane()
     try:
         urls = [url for url, _ in replicas]
-        sent = asyncio.ensure_future(control.pause(urls, "abort"))
-        await asyncio.sleep(0)  # the request is handed to the control thread
+        before = sys.getswitchinterval()
+        sent = asyncio.wrap_future(control.submit(urls, "abort"))
+        # Handed over with no await: the interpreter switches threads more often meanwhile.
+        assert sys.getswitchinterval() == PAUSE_SWITCH_INTERVAL_S < before
         blocked_at = time.perf_counter()
         time.sleep(0.5)  # noqa: ASYNC251 (the point: this loop is busy, as a backlog holds it)
         released_at = time.perf_counter()
         result = await sent
         assert result.results == [0.01, 0.02]
+        assert sys.getswitchinterval() == before
         for _, arrivals in replicas:
             ((path, at),) = arrivals
             assert path == f"{PAUSE_PATH}?mode=abort"
@@ -85,12 +93,12 @@ async def test_a_replica_that_is_down_answers_with_its_error_and_the_others_paus
     control = ControlPlane()
     try:
         down = f"http://127.0.0.1:{_closed_port()}"
-        result = await control.pause([replicas[0][0], down], "abort")
+        result = await _pause(control, [replicas[0][0], down])
         assert result.results[0] == 0.01
         assert isinstance(result.results[1], Exception)
         assert "cannot connect" in str(result.results[1])
         # Connections are kept for the next sync.
-        again = await control.pause([replicas[0][0]], "abort")
+        again = await _pause(control, [replicas[0][0]])
         assert again.results == [0.01]
         assert len(replicas[0][1]) == 2
     finally:
@@ -109,7 +117,7 @@ async def test_the_thread_starts_with_the_first_pause_and_stops_on_close(
     await idle.aclose()  # never paused: nothing was started
     control = ControlPlane()
     assert _control_threads() == []
-    await control.pause([replicas[0][0]], "abort")
+    await _pause(control, [replicas[0][0]])
     assert len(_control_threads()) == 1
     await control.aclose()
     assert _control_threads() == []

@@ -4,8 +4,10 @@ On the gateway's loop an abort pause queued behind that loop's backlog: at 64 re
 2,000 sessions (~90% of a core), ~480 ms of the median pause passed before the first pause
 request left, against ~40 ms from its arrival at the first replica to the last answer
 (benchmarks/README.md, "Where the gateway's time goes"). Here the requests leave as soon as
-this thread gets the interpreter (the switch interval, 5 ms by default), whatever the loop is
-doing; the gateway's loop only cuts its calls and reads the answers.
+this thread gets the interpreter, whatever the loop is doing; the gateway's loop only cuts its
+calls and reads the answers. While a pause is out the interpreter's switch interval is 0.5 ms
+instead of 5: this thread waits for the interpreter each time it sends or reads, and a busy
+loop thread held it for the whole interval each time.
 
 Its connections are its own: asyncio connections belong to the loop that made them. The
 replicas' state (health, what is paused) stays with the gateway's loop, which reads the results.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +26,9 @@ import httpx
 
 from lockgate.gateway.replicas.http1 import Http1Upstream
 from lockgate.gateway.replicas.replica_client import ReplicaClient
+
+# The interpreter's switch interval while a pause is out (Python's default is 5 ms).
+PAUSE_SWITCH_INTERVAL_S = 0.0005
 
 
 class PauseResults:
@@ -53,16 +59,21 @@ class ControlPlane:
                 target=self._loop.run_forever, name="lockgate-control", daemon=True
             )
             self._thread.start()
-        return asyncio.run_coroutine_threadsafe(self._pause(list(urls), mode), self._loop)
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, PAUSE_SWITCH_INTERVAL_S))
+        return asyncio.run_coroutine_threadsafe(
+            self._pause(list(urls), mode, switch_interval), self._loop
+        )
 
-    async def pause(self, urls: Sequence[str], mode: str) -> PauseResults:
-        """`submit`, awaited on the caller's loop."""
-        return await asyncio.wrap_future(self.submit(urls, mode))
-
-    async def _pause(self, urls: list[str], mode: str) -> PauseResults:
-        clients = [self._client(url) for url in urls]
-        results = await asyncio.gather(*(c.pause(mode) for c in clients), return_exceptions=True)
-        return PauseResults(list(results), time.perf_counter())
+    async def _pause(self, urls: list[str], mode: str, switch_interval: float) -> PauseResults:
+        try:
+            clients = [self._client(url) for url in urls]
+            results = await asyncio.gather(
+                *(c.pause(mode) for c in clients), return_exceptions=True
+            )
+            return PauseResults(list(results), time.perf_counter())
+        finally:
+            sys.setswitchinterval(switch_interval)
 
     def _client(self, url: str) -> ReplicaClient:
         client = self._clients.get(url)
