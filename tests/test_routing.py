@@ -24,9 +24,25 @@ def test_no_healthy_replica_gives_none() -> None:
     assert choose_replica([], None) is None
 
 
-def test_equally_busy_replicas_take_new_sessions_by_fewest_sessions() -> None:
+def test_new_sessions_go_to_the_fewest_open_sessions_plus_calls_in_flight() -> None:
     loads = [ReplicaLoad("a", True, 0, sessions=3), ReplicaLoad("b", True, 0, sessions=2)]
     assert choose_replica(loads, None) == "b"
-    # In-flight calls still come first.
-    loads = [ReplicaLoad("a", True, 0, sessions=9), ReplicaLoad("b", True, 1, sessions=0)]
-    assert choose_replica(loads, None) == "a"
+    # A replica quiet this instant but holding many sessions (their agents are thinking) does
+    # not take the new one.
+    loads = [ReplicaLoad("a", True, 0, sessions=9), ReplicaLoad("b", True, 1, sessions=1)]
+    assert choose_replica(loads, None) == "b"
+    # Calls piling up count too: a slow replica gets fewer new sessions.
+    loads = [ReplicaLoad("a", True, 4, sessions=4), ReplicaLoad("b", True, 0, sessions=5)]
+    assert choose_replica(loads, None) == "b"
+    # Equal load: the fewer calls in flight now.
+    loads = [ReplicaLoad("a", True, 2, sessions=2), ReplicaLoad("b", True, 1, sessions=3)]
+    assert choose_replica(loads, None) == "b"
+
+
+def test_a_session_shed_by_an_overloaded_replica_goes_where_the_load_is_least() -> None:
+    loads = [
+        ReplicaLoad("a", True, 9, sessions=9),
+        ReplicaLoad("b", True, 0, sessions=8),
+        ReplicaLoad("c", True, 1, sessions=2),
+    ]
+    assert choose_replica(loads, "a", max_imbalance=4) == "c"

@@ -9,9 +9,15 @@ calls, and the quietest of 64 sits far below the rest. Against it alone a bound 
 moved one session in ten at 16 replicas and 500 sessions (benchmarks/scale_simulation.py), each
 move a full re-prefill of the session's history elsewhere, to dodge a queue that a continuous
 batch barely feels. The mean moves little; a replica really carrying twice its share still
-sheds sessions. Between replicas equally busy right now, the one holding fewer sessions wins: a
-burst of new sessions arrives before any of their calls is in flight, and would otherwise all
-land on the same replica.
+sheds sessions.
+
+A session that needs a replica (a new one, or one leaving its sticky replica) goes to the
+fewest open sessions plus calls in flight, not to the fewest calls in flight: which replica is
+quietest this instant is mostly which one's agents happen to be thinking, and they come back.
+Placed by that draw, 2,000 sessions over 64 replicas left the busiest replica 7-15% above the
+mean in generated tokens (run to run); counting what each replica holds spreads them evenly,
+while a replica whose calls pile up (a slow one) still counts them and gets fewer. A burst of
+new sessions, none of them in flight yet, spreads too.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def choose_replica(
     candidates = [r for r in replicas if r.healthy and r.url not in exclude]
     if not candidates:
         return None
-    least = min(candidates, key=lambda r: (r.in_flight, r.sessions, r.url))
+    least = min(candidates, key=lambda r: (r.in_flight, r.url))
     if sticky is not None:
         for r in candidates:
             if r.url == sticky:
@@ -62,4 +68,4 @@ def choose_replica(
                 others = sum(c.in_flight for c in candidates) - r.in_flight
                 if r.in_flight <= max_ratio * others / (len(candidates) - 1):
                     return r.url
-    return least.url
+    return min(candidates, key=lambda r: (r.sessions + r.in_flight, r.in_flight, r.url)).url
