@@ -121,3 +121,18 @@ async def test_the_thread_starts_with_the_first_pause_and_stops_on_close(
     assert len(_control_threads()) == 1
     await control.aclose()
     assert _control_threads() == []
+
+
+async def test_overlapping_pauses_leave_the_switch_interval_as_it_was(
+    replicas: list[tuple[str, list[tuple[str, float]]]],
+) -> None:
+    control = ControlPlane()
+    before = sys.getswitchinterval()
+    try:
+        first = asyncio.wrap_future(control.submit([replicas[0][0]], "abort"))
+        second = asyncio.wrap_future(control.submit([replicas[1][0]], "abort"))
+        assert sys.getswitchinterval() == PAUSE_SWITCH_INTERVAL_S
+        await asyncio.gather(first, second)
+        assert sys.getswitchinterval() == before
+    finally:
+        await control.aclose()

@@ -40,6 +40,30 @@ class PauseResults:
         self.answered_at = answered_at
 
 
+class _FastSwitching:
+    """The short switch interval while at least one pause is out, the process's own otherwise.
+    Entered on the caller's thread, left on the control thread: counted under a lock, so
+    overlapping pauses cannot leave the short interval behind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._saved = 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, PAUSE_SWITCH_INTERVAL_S))
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                sys.setswitchinterval(self._saved)
+
+
 class ControlPlane:
     def __init__(self) -> None:
         # The thread starts with the first pause: a gateway that never syncs needs none.
@@ -49,6 +73,7 @@ class ControlPlane:
         self._http: httpx.AsyncClient | None = None
         self._upstream: Http1Upstream | None = None
         self._clients: dict[str, ReplicaClient] = {}
+        self._switch = _FastSwitching()
 
     def submit(self, urls: Sequence[str], mode: str) -> concurrent.futures.Future[PauseResults]:
         """Start pausing every replica in `urls` from the control thread, now: no await comes
@@ -59,13 +84,10 @@ class ControlPlane:
                 target=self._loop.run_forever, name="lockgate-control", daemon=True
             )
             self._thread.start()
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch_interval, PAUSE_SWITCH_INTERVAL_S))
-        return asyncio.run_coroutine_threadsafe(
-            self._pause(list(urls), mode, switch_interval), self._loop
-        )
+        self._switch.enter()
+        return asyncio.run_coroutine_threadsafe(self._pause(list(urls), mode), self._loop)
 
-    async def _pause(self, urls: list[str], mode: str, switch_interval: float) -> PauseResults:
+    async def _pause(self, urls: list[str], mode: str) -> PauseResults:
         try:
             clients = [self._client(url) for url in urls]
             results = await asyncio.gather(
@@ -73,7 +95,7 @@ class ControlPlane:
             )
             return PauseResults(list(results), time.perf_counter())
         finally:
-            sys.setswitchinterval(switch_interval)
+            self._switch.exit()
 
     def _client(self, url: str) -> ReplicaClient:
         client = self._clients.get(url)
