@@ -10,6 +10,13 @@ squares. Measured on the DeepResearch model (3.5M parameters, 48 samples of ~600
 forward + backward on one thread): 35 s packed 4,096 tokens per micro-batch, 20 s padded
 batches of 6, 13 s one sample at a time. `micro_batch_packing` in the trainer's config picks
 either way. Either way the logits are laid back out as [B, T, V].
+
+One sample at a time, the tokens that every sample of the micro-batch starts with (the system
+prompt and tool schemas of an agent's rollouts: ~270 of the DeepResearch samples' ~550-600
+tokens) run once: their keys and values are kept, and each sample runs only the rest of its
+tokens against them. The logits and gradients are those of running each sample whole (equal to
+float rounding: tests/test_trainer_packing.py). Forward + backward of 48 DeepResearch rollouts
+(27,578 tokens, 268 in common, 6 per micro-batch, one thread): 14.9-16.3 s -> 10.6-11.3 s.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 
 def load_policy(model_dir: Path, device: torch.device) -> PreTrainedModel:
@@ -63,7 +70,11 @@ def forward_logits(
     if pack is None:
         pack = device.type == "cuda" or _ranks() > 1
     if not pack:
-        per_sample = [model(input_ids=row[None, :]).logits[0] for row in rows]
+        shared = common_prefix(rows)
+        if len(rows) > 1 and shared >= MIN_SHARED_PREFIX:
+            per_sample = _after_shared_prefix(model, rows, shared)
+        else:
+            per_sample = [model(input_ids=row[None, :]).logits[0] for row in rows]
         return _pad_to(pad_sequence(per_sample, batch_first=True), input_ids.shape[1])
     packed = torch.cat(rows)[None, :]
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None, :]
@@ -72,6 +83,46 @@ def forward_logits(
     return _pad_to(
         pad_sequence(list(torch.split(logits, list(lengths))), batch_first=True), input_ids.shape[1]
     )
+
+
+# Below this many tokens in common, running the prefix apart saves less than it costs.
+MIN_SHARED_PREFIX = 32
+
+
+def common_prefix(rows: Sequence[torch.Tensor]) -> int:
+    """How many leading tokens every row has in common, leaving each at least one of its own."""
+    shortest = min(len(r) for r in rows)
+    if shortest < 2:
+        return 0
+    first = rows[0][: shortest - 1]
+    same = torch.ones_like(first, dtype=torch.bool)
+    for row in rows[1:]:
+        same &= row[: shortest - 1] == first
+    differs = (~same).nonzero()
+    return int(differs[0]) if len(differs) else len(first)
+
+
+def _after_shared_prefix(
+    model: torch.nn.Module, rows: Sequence[torch.Tensor], shared: int
+) -> list[torch.Tensor]:
+    """Each row's logits, its first `shared` tokens (the same in every row) run once."""
+    head = model(input_ids=rows[0][None, :shared], use_cache=True)
+    kept = [(layer.keys, layer.values) for layer in head.past_key_values.layers]
+    out = []
+    for row in rows:
+        # A cache of its own per row: a forward appends to the cache it is given.
+        cache = DynamicCache()
+        for i, (keys, values) in enumerate(kept):
+            cache.update(keys, values, i)
+        positions = torch.arange(shared, len(row), device=row.device)[None, :]
+        tail = model(
+            input_ids=row[None, shared:],
+            past_key_values=cache,
+            position_ids=positions,
+            use_cache=True,
+        )
+        out.append(torch.cat([head.logits[0], tail.logits[0]]))
+    return out
 
 
 def _ranks() -> int:
