@@ -63,7 +63,9 @@ def init_distributed(device: Device = "auto", packing: Packing = "auto") -> Dist
     local = int(os.environ["LOCAL_RANK"])
     if resolve_device(device, local, int(os.environ["LOCAL_WORLD_SIZE"])) == "cuda":
         torch.cuda.set_device(local)
-        where, backend, mesh_type = torch.device("cuda", local), "nccl", "cuda"
+        # NCCL for the model's tensors, gloo for the step's bookkeeping on CPU tensors
+        # (micro-batch counts, metric sums, broadcast objects): NCCL alone rejects those.
+        where, backend, mesh_type = torch.device("cuda", local), "cpu:gloo,cuda:nccl", "cuda"
     else:
         where, backend, mesh_type = torch.device("cpu"), "gloo", "cpu"
     dist.init_process_group(backend)

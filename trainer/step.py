@@ -173,13 +173,16 @@ class _Totals:
     micro_batches: int = 0
 
     def add(self, terms: LossTerms) -> None:
-        self.sums += torch.stack([getattr(terms, k).detach().double().reshape(()) for k in _SUMS])
+        # The terms live on the model's device; the totals stay on the CPU (reduced over gloo).
+        self.sums += torch.stack(
+            [getattr(terms, k).detach().double().reshape(()) for k in _SUMS]
+        ).cpu()
         extremes = torch.stack(
             [
                 (-1.0 if k in _NEGATED else 1.0) * getattr(terms, k).detach().double().reshape(())
                 for k in _MAXES
             ]
-        )
+        ).cpu()
         self.maxes = torch.maximum(self.maxes, extremes)
 
     def reduce(self, updates: int) -> dict[str, float]:
