@@ -120,7 +120,7 @@ class TrainerConfig(BaseModel):
         description=(
             "How a micro-batch's samples run: packed into one row (one forward pass; needed with "
             "several ranks, whose collectives must stay in step) or per_sample, one pass each "
-            "(on CPU, where attention over a packed row costs the square of its length). auto: "
+            "(on one CPU rank, where the tokens the samples start with then run once). auto: "
             "per_sample on a single CPU rank, else packed."
         ),
     )

@@ -2,14 +2,14 @@
 
 The loss code works on right-padded [B, T] tensors; the forward pass does not pad. On CUDA, and
 with several ranks, a micro-batch's samples are concatenated into one row with positions
-restarting at 0 per sample, from which transformers builds a block-diagonal causal mask (no
-sample attends to another): one forward pass per micro-batch. On one CPU rank each sample runs
-alone instead: SDPA's CPU kernel is only fast for a plain causal mask, and with an explicit
-block mask attention costs the square of the micro-batch's tokens, not the sum of its samples'
-squares. Measured on the DeepResearch model (3.5M parameters, 48 samples of ~600 tokens,
-forward + backward on one thread): 35 s packed 4,096 tokens per micro-batch, 20 s padded
-batches of 6, 13 s one sample at a time. `micro_batch_packing` in the trainer's config picks
-either way. Either way the logits are laid back out as [B, T, V].
+restarting at 0 per sample, and attention runs per sample within the row (attention.py:
+FlashAttention's varlen kernel on CUDA, causal SDPA per sample on the CPU): one forward pass
+per micro-batch. On one CPU rank each sample runs alone instead, which lets the samples share
+their common prefix (below). Measured on the DeepResearch model (3.5M parameters, 48 samples of
+~600 tokens, forward + backward on one thread, before attention.py, when a packed row was
+attended with a block mask): 35 s packed 4,096 tokens per micro-batch, 20 s padded batches of
+6, 13 s one sample at a time. `micro_batch_packing` in the trainer's config picks either way.
+Either way the logits are laid back out as [B, T, V].
 
 One sample at a time, the tokens that every sample of the micro-batch starts with (the system
 prompt and tool schemas of an agent's rollouts: ~270 of the DeepResearch samples' ~550-600
@@ -22,17 +22,20 @@ float rounding: tests/test_trainer_packing.py). Forward + backward of 48 DeepRes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from lockgate.trainer import attention
+
 
 def load_policy(model_dir: Path, device: torch.device) -> PreTrainedModel:
     """The HF model in fp32 (master weights; mixed precision is FSDP2's job on GPU)."""
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+        str(model_dir), dtype=torch.float32, attn_implementation=attention.IMPLEMENTATION
     )
     model.config.use_cache = False  # training never reuses a KV cache
     return model.to(device)
@@ -78,8 +81,17 @@ def forward_logits(
         return _pad_to(pad_sequence(per_sample, batch_first=True), input_ids.shape[1])
     packed = torch.cat(rows)[None, :]
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None, :]
-    # No attention_mask: with packed position ids transformers masks per sample by itself.
-    logits = model(input_ids=packed, position_ids=positions).logits[0]
+    starts = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+    # The samples' bounds take attention.packed_attention's per-sample path (any other
+    # attention implementation masks per sample by itself, from the restarting positions).
+    logits = model(
+        input_ids=packed,
+        position_ids=positions,
+        cu_seq_lens_q=starts,
+        cu_seq_lens_k=starts,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+    ).logits[0]
     return _pad_to(
         pad_sequence(list(torch.split(logits, list(lengths))), batch_first=True), input_ids.shape[1]
     )
