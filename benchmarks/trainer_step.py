@@ -62,11 +62,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(shape: str, root: Path) -> tuple[Path, int]:
+def build_model(shape: str, root: Path, model_dir: Path | None = None) -> tuple[Path, int]:
     """The model dir of `shape` (random weights, the tiny model's tokenizer files) and its
-    parameter count. `tiny` is the test model itself."""
+    parameter count. `tiny` is the test model itself; `model_dir` an existing model."""
     tiny = ensure_tiny_model()
-    if shape == "tiny":
+    if model_dir is not None:
+        out = model_dir
+    elif shape == "tiny":
         out = tiny
     else:
         from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -160,7 +162,7 @@ class DeviceMemoryPeak:
 
 async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     started = time.perf_counter()
-    model_dir, params = build_model(args.shape, root)
+    model_dir, params = build_model(args.shape, root, args.model_dir)
     build_s = time.perf_counter() - started
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     config = TrainerConfig(
@@ -170,6 +172,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         lr=1e-6,
         micro_batch_tokens=args.micro_batch_tokens,
         activation_checkpointing=args.activation_checkpointing,
+        micro_batch_packing=args.packing,
         ppo_mode=args.ppo_mode,
         num_threads=args.threads,
     )
@@ -208,7 +211,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     step_s = statistics.mean(s["step_time_s"] for s in timed)
     tokens = statistics.mean(s["tokens"] for s in timed)
     return {
-        "shape": args.shape,
+        "shape": str(args.model_dir) if args.model_dir else args.shape,
+        "packing": args.packing,
         "parameters": params,
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -245,6 +249,8 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--packing", choices=["auto", "packed", "per_sample"], default="auto")
+    parser.add_argument("--model-dir", type=Path, help="an existing model instead of --shape")
     parser.add_argument("--ppo-mode", choices=["bypass", "decoupled"], default="bypass")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the rank")
     parser.add_argument("--json", type=Path, help="also write the result here")
