@@ -129,3 +129,22 @@ def test_flash_varlen_on_the_gpu_equals_the_block_mask() -> None:
     assert kernel is not attention.per_sample_sdpa, "this torch has no varlen attention"
     out = kernel(q, k, v, cu, max(LENGTHS), 16**-0.5)
     torch.testing.assert_close(out.float(), _masked_reference(q, k, v), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant", [{"sliding_window": 4}, {"softcap": 30.0}, {"dropout": 0.1}])
+def test_attention_the_kernels_do_not_implement_takes_sdpa(
+    monkeypatch: pytest.MonkeyPatch, variant: dict[str, Any]
+) -> None:
+    taken: list[str] = []
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: taken.append("sdpa"))
+    kernel = attention.per_sample_sdpa
+    monkeypatch.setattr(attention, "kernel_for", lambda device: taken.append("kernel") or kernel)
+    q, k, v, cu = _qkv()
+    rows = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    attention.packed_attention(
+        torch.nn.Module(), *rows, None, cu_seq_lens_q=cu, max_length_q=max(LENGTHS), **variant
+    )
+    attention.packed_attention(
+        torch.nn.Module(), *rows, None, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
+    )
+    assert taken == ["sdpa", "kernel"]

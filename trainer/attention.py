@@ -102,6 +102,10 @@ def kernel_for(device: torch.device) -> Kernel:
     return per_sample_sdpa
 
 
+# Variants of attention the per-sample kernels do not implement: such a model takes SDPA's.
+_NOT_HANDLED = ("sliding_window", "softcap", "s_aux")
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -114,7 +118,8 @@ def packed_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [1, H, T, D] -> output [1, T, H, D]."""
-    if cu_seq_lens_q is None or max_length_q is None or query.shape[0] != 1:
+    plain = not kwargs.get("dropout") and all(kwargs.get(k) is None for k in _NOT_HANDLED)
+    if cu_seq_lens_q is None or max_length_q is None or query.shape[0] != 1 or not plain:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kwargs
         )
