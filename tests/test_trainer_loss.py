@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lockgate.trainer import loss as loss_module
 from lockgate.trainer.batch import TrainSample
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.loss import (
@@ -53,6 +54,39 @@ def test_token_entropy_of_known_distributions() -> None:
     assert got[0, 2].item() == pytest.approx(
         -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)), abs=1e-6
     )
+
+
+def test_chunked_logprobs_and_entropy_equal_one_pass_with_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over a large vocabulary the float32 work runs in checkpointed chunks of positions: the
+    values and gradients must be those of one pass."""
+    torch.manual_seed(0)
+    base = torch.randn(3, 17, 50, dtype=torch.bfloat16)
+    ids = torch.randint(0, 50, (3, 17))
+    weights = torch.randn(3, 17)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = base.clone().requires_grad_(True)
+        lp, ent = token_logprobs(logits, ids), token_entropy(logits)
+        ((lp * weights).sum() + (ent * weights).sum()).backward()
+        assert logits.grad is not None
+        return lp.detach(), ent.detach(), logits.grad
+
+    whole = run()
+    assert len(loss_module._position_chunks(base[:, :-1])) == 1
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 3 * 50 * 4)  # 4 positions per chunk
+    assert len(loss_module._position_chunks(base[:, :-1])) == 4
+    calls = []
+    real = loss_module.checkpoint
+    monkeypatch.setattr(loss_module, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chunked = run()
+    assert len(calls) == 8  # both functions, four chunks each
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # no gradient wanted: plain chunks, nothing checkpointed
+        assert torch.equal(token_logprobs(base, ids), whole[0])
+    assert len(calls) == 8
 
 
 @pytest.mark.parametrize(

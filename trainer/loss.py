@@ -24,31 +24,74 @@ and the batch loss is sum_s w_s * sum_t mask * loss_t with w_s from `sample_weig
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from lockgate.trainer.config import LossAggregation, TisLevel, TrainerConfig
+
+# A chunk of positions holds at most this many logits (256 MiB in float32). Over a real vocabulary
+# (151,936 for Qwen3) one 8,192-token micro-batch is 1.2e9 logits: 5 GiB per float32 copy, and
+# log-softmax, its exponent and the saved input each make one. Chunks bound those copies;
+# the model's own logits and their gradient stay whole.
+CHUNK_LOGITS = 1 << 26
+
+
+def _position_chunks(logits: torch.Tensor) -> list[tuple[int, int]]:
+    b, t, v = logits.shape
+    step = max(1, CHUNK_LOGITS // max(1, b * v))
+    return [(a, min(a + step, t)) for a in range(0, t, step)]
+
+
+def _per_chunk(
+    fn: Callable[..., torch.Tensor], logits: torch.Tensor, *rest: torch.Tensor
+) -> torch.Tensor:
+    """fn over chunks of positions, concatenated. With gradient each chunk is checkpointed:
+    backward recomputes its float32 work instead of keeping it (the values and gradients are
+    those of one call: every position is computed alone)."""
+    spans = _position_chunks(logits)
+    if len(spans) == 1:
+        return fn(logits, *rest)
+    keep = torch.is_grad_enabled() and logits.requires_grad
+    # split, not slices: a slice's backward writes its gradient into a zero tensor of the full
+    # size, one per chunk; split's gathers the chunks' gradients once.
+    sizes = [b - a for a, b in spans]
+    pieces = zip(
+        torch.split(logits, sizes, dim=1),
+        *(torch.split(r, sizes, dim=1) for r in rest),
+        strict=True,
+    )
+    parts = [
+        checkpoint(fn, *piece, use_reentrant=False) if keep else fn(*piece) for piece in pieces
+    ]
+    return torch.cat(parts, dim=1)
+
+
+def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1; column 0 is 0 (nothing predicts it).
 
-    Uses gather - logsumexp rather than a full log_softmax so that only one [B, T, V] float
-    tensor is alive at a time.
+    Uses gather - logsumexp rather than a full log_softmax, over chunks of positions, so that
+    at most one chunk's float32 logits are alive at a time.
     """
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    out = picked - torch.logsumexp(logits, dim=-1)
+    out = _per_chunk(_picked_logprobs, logits[:, :-1], input_ids[:, 1:])
     return torch.nn.functional.pad(out, (1, 0), value=0.0)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution at each position, aligned like token_logprobs."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
+    ent = _per_chunk(_entropy, logits[:, :-1])
     return torch.nn.functional.pad(ent, (1, 0), value=0.0)
 
 
