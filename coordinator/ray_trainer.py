@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from lockgate.coordinator.processes import free_port, spawn, terminate
-from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.trainer_process import TrainerProcess, thread_env
 from lockgate.trainer.config import TrainerConfig
 
 _CALL_S = 30.0
@@ -114,7 +114,7 @@ class RayTrainerRanks(TrainerProcess):
                 "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(master_port),
-                "OMP_NUM_THREADS": str(self.config.num_threads),
+                **thread_env(self.config.num_threads),
             }
             starts.append(actor.start.remote(str(self.run_dir), env, str(self.rank_log(rank))))
         ray.get(starts, timeout=_CALL_S)

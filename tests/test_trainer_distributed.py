@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 from trainer_runs import max_diff, near_policy_batch, synthetic_batch, train, weights
 
-from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess
+from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess, thread_env
 from lockgate.trainer.batch import TrainBatch, TrainSample
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.logprobs import logprobs_from_dir
@@ -142,3 +142,13 @@ async def test_every_objective_option_trains_the_same_on_two_ranks_as_on_one(
     # the policy moved away from the reference during step 1
     assert second["ref_kl"] > 0.0
     assert first["entropy"] > 0.0
+
+
+def test_rank_threads_sleep_while_waiting_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Spinning OpenMP threads beside a busy core made a 2-thread rank >4x slower.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert thread_env(2) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert thread_env(1)["OMP_WAIT_POLICY"] == "ACTIVE"
