@@ -3,10 +3,10 @@ computed between samples.
 
 Through SDPA, a packed row needs an explicit block-diagonal mask, and with a mask SDPA computes
 every score of the row, cross-sample ones included (FlashAttention takes no mask): on an H200
-a step of 96k tokens in 8,192-token rows took as long for Qwen3-0.6B as for Qwen3-1.7B, and
-0.6B's peaked at 93 GiB. Here, on CUDA, FlashAttention's variable-length kernel
+a step of 96k tokens in 8,192-token rows took as long for Qwen3-0.6B as for Qwen3-1.7B
+(7.2 s; 3.6 s for 0.6B through this module). Here, on CUDA, FlashAttention's variable-length kernel
 (`torch.nn.attention.varlen`) runs the row given where each sample starts; on the CPU each
-sample runs through causal SDPA in turn. Both are exact: the same attention as the mask.
+sample runs through causal SDPA in turn. Both compute the attention the mask describes.
 
 `IMPLEMENTATION` is registered with transformers; `load_policy` loads every model with it. A
 forward that passes the packed row's boundaries (`cu_seq_lens_q`, as
