@@ -8,6 +8,7 @@ only on a GPU (skipped elsewhere; `test_trainer_gpu.py` trains through it too).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ LENGTHS = [5, 1, 9, 3]
 
 def _qkv(
     dtype: torch.dtype = torch.float32, heads: int = 4, kv_heads: int = 2, device: str = "cpu"
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     total = sum(LENGTHS)
     q, k, v = (
@@ -57,11 +58,13 @@ def test_the_cpu_kernel_equals_sdpa_with_the_block_mask() -> None:
     torch.testing.assert_close(out, _masked_reference(q, k, v), rtol=1e-5, atol=1e-6)
 
 
-def _fake_varlen(new_api: bool, seen: list[dict[str, Any]]):
+def _fake_varlen(new_api: bool, seen: list[dict[str, Any]]) -> Callable[..., torch.Tensor]:
     """A stand-in for torch.nn.attention.varlen.varlen_attn with either release's keywords,
     computing with the CPU kernel what the real one would."""
 
-    def run(q, k, v, cu_q, cu_k, max_q, max_k, kw: dict[str, Any]) -> torch.Tensor:
+    T = torch.Tensor
+
+    def run(q: T, k: T, v: T, cu_q: T, cu_k: T, max_q: int, max_k: int, kw: dict[str, Any]) -> T:
         seen.append({**kw, "kv_heads": k.shape[1], "dtype": q.dtype})
         assert cu_q is cu_k and max_q == max_k == max(LENGTHS)
         scale = kw.get("scale") or q.shape[-1] ** -0.5
@@ -69,14 +72,17 @@ def _fake_varlen(new_api: bool, seen: list[dict[str, Any]]):
 
     if new_api:
 
-        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                        enable_gqa=False):  # fmt: skip
+        def varlen_attn(q: T, k: T, v: T, cu_q: T, cu_k: T, max_q: int, max_k: int, *,
+                        scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                        enable_gqa: bool = False) -> T:  # fmt: skip
             assert window_size == (-1, 0), "must ask for causal attention"
             return run(q, k, v, cu_q, cu_k, max_q, max_k, {"scale": scale, "gqa": enable_gqa})
 
     else:
 
-        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):  # type: ignore[misc]
+        def varlen_attn(  # type: ignore[misc]
+            q: T, k: T, v: T, cu_q: T, cu_k: T, max_q: int, max_k: int, is_causal: bool = False
+        ) -> T:
             assert is_causal, "must ask for causal attention"
             assert k.shape[1] == q.shape[1], "this release has no grouped-query attention"
             return run(q, k, v, cu_q, cu_k, max_q, max_k, {})
