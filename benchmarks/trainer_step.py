@@ -93,10 +93,10 @@ def build_model(shape: str, root: Path, model_dir: Path | None = None) -> tuple[
             if (tiny / name).exists():
                 shutil.copy(tiny / name, out / name)
     config_json = json.loads((out / "config.json").read_text())
-    return out, _parameters(config_json)
+    return out, parameter_count(config_json)
 
 
-def _parameters(c: dict[str, Any]) -> int:
+def parameter_count(c: dict[str, Any]) -> int:
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     head_dim = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
