@@ -38,38 +38,30 @@ from lockgate.trainer.tiny_model import ensure_tiny_model
 
 # The published architectures of Qwen3-0.6B and Qwen3-1.7B (config.json of each), with their
 # real 151,936-token vocabulary: the logits over it are a large share of a step's memory.
+_QWEN3_0_6B: dict[str, Any] = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-1.7b": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+    "qwen3-0.6b": _QWEN3_0_6B,
+    # 1.7B differs only in width
+    "qwen3-1.7b": {**_QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144},
 }
 
 
 def build_model(shape: str, root: Path, model_dir: Path | None = None) -> tuple[Path, int]:
     """The model dir of `shape` (random weights, the tiny model's tokenizer files) and its
     parameter count. `tiny` is the test model itself; `model_dir` an existing model."""
-    tiny = ensure_tiny_model()
     if model_dir is not None:
         out = model_dir
     elif shape == "tiny":
-        out = tiny
+        out = ensure_tiny_model()
     else:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -89,6 +81,7 @@ def build_model(shape: str, root: Path, model_dir: Path | None = None) -> tuple[
             model = Qwen3ForCausalLM(config).to(torch.float32)
         model.save_pretrained(str(out), safe_serialization=True)
         del model
+        tiny = ensure_tiny_model()
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (tiny / name).exists():
                 shutil.copy(tiny / name, out / name)

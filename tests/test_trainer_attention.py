@@ -65,7 +65,7 @@ def _fake_varlen(new_api: bool, seen: list[dict[str, Any]]) -> Callable[..., tor
     T = torch.Tensor
 
     def run(q: T, k: T, v: T, cu_q: T, cu_k: T, max_q: int, max_k: int, kw: dict[str, Any]) -> T:
-        seen.append({**kw, "kv_heads": k.shape[1], "dtype": q.dtype})
+        seen.append({**kw, "kv_heads": k.shape[1]})
         assert cu_q is cu_k and max_q == max_k == max(LENGTHS)
         scale = kw.get("scale") or q.shape[-1] ** -0.5
         return attention.per_sample_sdpa(q.float(), k.float(), v.float(), cu_q, max_q, scale)
@@ -105,6 +105,8 @@ def test_the_cuda_kernel_adapter_speaks_both_varlen_apis(
     out = kernel(q, k, v, cu, max(LENGTHS), 16**-0.5)
     torch.testing.assert_close(out.float(), _masked_reference(q, k, v), rtol=2e-2, atol=2e-2)
     assert seen[-1]["kv_heads"] == (2 if new_api else 4)
+    if new_api:  # grouped-query attention and the scale passed through, not expanded
+        assert seen[-1]["gqa"] and seen[-1]["scale"] == 16**-0.5
     # fp32 never reaches the half-precision-only kernel
     calls = len(seen)
     kernel(q.float(), k.float(), v.float(), cu, max(LENGTHS), 16**-0.5)

@@ -74,9 +74,9 @@ def test_chunked_logprobs_and_entropy_equal_one_pass_with_the_same_gradients(
         return lp.detach(), ent.detach(), logits.grad
 
     whole = run()
-    assert len(loss_module._position_chunks(base[:, :-1])) == 1
+    assert loss_module._chunk_sizes(base[:, :-1]) == [16]
     monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 3 * 50 * 4)  # 4 positions per chunk
-    assert len(loss_module._position_chunks(base[:, :-1])) == 4
+    assert loss_module._chunk_sizes(base[:, :-1]) == [4, 4, 4, 4]
     calls = []
     real = loss_module.checkpoint
     monkeypatch.setattr(loss_module, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))

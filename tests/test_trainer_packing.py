@@ -103,7 +103,7 @@ def _weighted(logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return sum((logits[i, :n] * weights).pow(2).mean() for i, n in enumerate(lengths))
 
 
-def test_thecommon_prefix_leaves_every_sample_a_token_of_its_own() -> None:
+def test_the_common_prefix_leaves_every_sample_a_token_of_its_own() -> None:
     t = torch.tensor
     assert common_prefix([t([1, 2, 3, 4]), t([1, 2, 3, 9])]) == 3
     assert common_prefix([t([1, 2, 3]), t([1, 2, 3])]) == 2  # the same twice: the last is its own

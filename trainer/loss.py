@@ -39,10 +39,11 @@ from lockgate.trainer.config import LossAggregation, TisLevel, TrainerConfig
 CHUNK_LOGITS = 1 << 26
 
 
-def _position_chunks(logits: torch.Tensor) -> list[tuple[int, int]]:
+def _chunk_sizes(logits: torch.Tensor) -> list[int]:
+    """Positions per chunk of [B, T, V] logits."""
     b, t, v = logits.shape
     step = max(1, CHUNK_LOGITS // max(1, b * v))
-    return [(a, min(a + step, t)) for a in range(0, t, step)]
+    return [min(step, t - a) for a in range(0, t, step)]
 
 
 def _per_chunk(
@@ -51,13 +52,12 @@ def _per_chunk(
     """fn over chunks of positions, concatenated. With gradient each chunk is checkpointed:
     backward recomputes its float32 work instead of keeping it (the values and gradients are
     those of one call: every position is computed alone)."""
-    spans = _position_chunks(logits)
-    if len(spans) == 1:
+    sizes = _chunk_sizes(logits)
+    if len(sizes) == 1:
         return fn(logits, *rest)
     keep = torch.is_grad_enabled() and logits.requires_grad
     # split, not slices: a slice's backward writes its gradient into a zero tensor of the full
     # size, one per chunk; split's gathers the chunks' gradients once.
-    sizes = [b - a for a, b in spans]
     pieces = zip(
         torch.split(logits, sizes, dim=1),
         *(torch.split(r, sizes, dim=1) for r in rest),
