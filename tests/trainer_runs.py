@@ -55,9 +55,7 @@ async def train(
         model_dir=model_dir,
         world_size=world_size,
         device=device,
-        lr=1e-3,
-        micro_batch_tokens=64,
-        **options,
+        **({"lr": 1e-3, "micro_batch_tokens": 64} | options),
     )
     trainer = TrainerProcess(config, run_dir, run_dir / "trainer.log")
     trainer.start()

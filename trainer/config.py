@@ -99,7 +99,11 @@ class TrainerConfig(BaseModel):
         ),
     )
     entropy_coef: float = Field(
-        default=0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss)."
+        default=0.0,
+        description=(
+            "Weight of the entropy bonus (subtracted from the loss). Negative values make it a "
+            "penalty: the policy is pushed to sharpen what it samples (entropy minimisation)."
+        ),
     )
     mini_batches: int = Field(
         default=1,

@@ -212,7 +212,7 @@ class LossInputs:
     sample_weights: torch.Tensor
     proximal_logprobs: torch.Tensor | None = None  # decoupled mode; None is bypass
     reference_logprobs: torch.Tensor | None = None  # needed when kl_coef > 0
-    entropy: torch.Tensor | None = None  # with gradient when entropy_coef > 0; else for metrics
+    entropy: torch.Tensor | None = None  # with gradient when entropy_coef != 0; else for metrics
 
 
 @dataclass
@@ -270,9 +270,9 @@ def policy_loss(x: LossInputs, spec: LossSpec) -> LossTerms:
             raise ValueError("kl_coef > 0 needs reference logprobs")
         ref_kl = k3((x.reference_logprobs.detach() - x.logprobs) * mask)
         per_token = per_token + spec.kl_coef * ref_kl
-    if spec.entropy_coef > 0:
+    if spec.entropy_coef != 0:
         if x.entropy is None:
-            raise ValueError("entropy_coef > 0 needs the entropy (with gradient)")
+            raise ValueError("entropy_coef != 0 needs the entropy (with gradient)")
         per_token = per_token - spec.entropy_coef * x.entropy
 
     loss = (per_token * mask).sum(-1).mul(x.sample_weights).sum()

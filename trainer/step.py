@@ -322,7 +322,7 @@ def _update(
                 # logprobs stand in for its proximal ones (weight 1, same ratio as bypass).
                 proximal_logprobs=proximal(update, idx, logprobs) if mb is not None else old,
                 reference_logprobs=_reference_logprobs(reference, ids, lens, pack=world.pack),
-                entropy=_entropy(logits, bonus=spec.entropy_coef > 0),
+                entropy=_entropy(logits, bonus=spec.entropy_coef != 0),
             ),
             spec,
         )
