@@ -158,7 +158,8 @@ async def test_the_entropy_coef_sharpens_or_flattens_the_real_policy(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """With zero advantages only the entropy term moves the weights: a negative coefficient
-    (entropy minimisation) must lower the policy's entropy on the batch, a positive one raise it."""
+    (entropy minimisation) must lower the policy's entropy on the batch, and a positive one
+    leave it higher than the negative one does."""
     zero = synthetic_batch(1).samples
     zero = [s.model_copy(update={"advantages": [0.0] * len(s.advantages)}) for s in zero]
     batches = [TrainBatch(step=k, samples=zero) for k in (1, 2)]
