@@ -212,22 +212,38 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         world=world,
     )
     progress = _Progress(layout, start, len(plan), config.loop.log_every) if world.is_main else None
-    for step in range(start + 1, len(plan) + 1):
+    every, stop_at = config.loop.val_every, config.loop.stop_at_val_loss
+    # A run that stopped early checkpointed the step it stopped at, a multiple of val_every:
+    # resumed from there, the same weights give the same loss and it stays stopped.
+    last = start
+    stopped = (
+        stop_at is not None
+        and start > 0
+        and start % every == 0
+        and eval_loss(policy, val, trainer, world) <= stop_at
+    )
+    for step in range(start + 1, len(plan) + 1 if not stopped else start + 1):
         started = time.perf_counter()
         batch = [examples[i] for i in plan[step - 1].indices]
         metrics = sft_step(policy, optimizer, batch, step, trainer, world)
-        every = config.loop.val_every
         if val and ((every and step % every == 0) or step == len(plan)):
             metrics["val_loss"] = eval_loss(policy, val, trainer, world)
+            stopped = stop_at is not None and metrics["val_loss"] <= stop_at
         if progress is not None:
             progress.record(step, plan[step - 1].epoch, metrics, time.perf_counter() - started)
-        if trainer.checkpoint_every and (step % trainer.checkpoint_every == 0 or step == len(plan)):
+        last = step
+        if trainer.checkpoint_every and (
+            step % trainer.checkpoint_every == 0 or step == len(plan) or stopped
+        ):
             save_checkpoint(
                 layout.checkpoints, step, policy, optimizer, world, keep=trainer.keep_checkpoints
             )
+        if stopped:
+            break
     export_model(policy, config.model_dir, layout.final, world)
     if world.is_main:
-        print(f"sft done: {len(plan)} steps, model in {layout.final}", file=sys.stderr, flush=True)
+        why = f" (held-out loss at or below {stop_at})" if stopped else ""
+        print(f"sft done: {last} steps{why}, model in {layout.final}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
 

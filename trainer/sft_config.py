@@ -97,6 +97,14 @@ class SFTLoopSection(BaseModel):
         description="Held-out loss on data.val_path every this many steps and after the last; "
         "0 only after the last (when val_path is set).",
     )
+    stop_at_val_loss: float | None = Field(
+        default=None,
+        gt=0,
+        description="Stop (checkpoint, export) at the first held-out loss at or below this: "
+        "a loss that falls suddenly at a step no run can foretell (the DeepResearch copy "
+        "drills) gets the steps it needs, with epochs / max_steps as the cap. Needs "
+        "data.val_path and val_every.",
+    )
 
 
 class SFTTrainerSection(BaseModel):
@@ -150,6 +158,14 @@ class SFTConfig(BaseModel):
     data: SFTDataSection
     loop: SFTLoopSection = Field(default_factory=SFTLoopSection)
     trainer: SFTTrainerSection = Field(default_factory=SFTTrainerSection)
+
+    @model_validator(mode="after")
+    def _stop_needs_a_held_out_loss(self) -> SFTConfig:
+        if self.loop.stop_at_val_loss is not None and (
+            self.data.val_path is None or self.loop.val_every == 0
+        ):
+            raise ValueError("loop.stop_at_val_loss needs data.val_path and loop.val_every > 0")
+        return self
 
     def resolved(self, base: Path, model_dir: Path) -> SFTConfig:
         """A copy with every path absolute (relative ones from `base`, the config file's
