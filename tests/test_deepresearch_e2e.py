@@ -104,8 +104,9 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
     names = [s["name"] for s in report["summaries"]]
     assert names == ["oracle", "model T=1", "model T=0", "no-search T=1", "no-search T=0"]
     assert all(s["n"] == 4 for s in report["summaries"])
-    # Two episodes per question at T=1, one greedy.
-    assert [len(report["outcomes"][n]) for n in names] == [4, 8, 4, 8, 4]
+    # Two episodes per question for the model at T=1; one greedy, and one for the no-search
+    # baseline at any temperature (made-up entities leave it at 0 whatever it samples).
+    assert [len(report["outcomes"][n]) for n in names] == [4, 8, 4, 4, 4]
     assert report["summaries"][0]["success"] >= 0.75  # the oracle finds what it needs
     oracle_calls = report["summaries"][0]["tool_calls_by_hops"]
     # One search for a 1-hop question; a 2-hop one stops early only where a search failed.

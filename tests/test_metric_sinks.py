@@ -100,8 +100,14 @@ def test_wandb_offline_run_logs_every_record_against_the_trainer_step_and_resume
     second.write(_record(2, 0.75))  # redone after the resume: plotted again at x = 2
     second.close()
 
-    rows = _wandb_rows(tmp_path)
-    assert [(r[STEP_KEY], r["reward/mean"]) for r in rows] == [(1, 0.25), (2, 0.5), (2, 0.75)]
+    # finish() can return before wandb's service has flushed the resumed run's file on a loaded
+    # machine (CI once read only the first run's rows), so the rows are read until all arrive.
+    deadline = time.monotonic() + 30.0
+    while len(rows := _wandb_rows(tmp_path)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    folders = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    logged = [(r[STEP_KEY], r["reward/mean"]) for r in rows]
+    assert logged == [(1, 0.25), (2, 0.5), (2, 0.75)], folders
     assert rows[0]["staleness/hist/values"] == [6, 0, 2]
     assert rows[0]["count/syncs"] == 1 and "step" not in rows[0]
 
