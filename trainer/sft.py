@@ -222,7 +222,8 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         and start % every == 0
         and eval_loss(policy, val, trainer, world) <= stop_at
     )
-    for step in range(start + 1, len(plan) + 1 if not stopped else start + 1):
+    end = start if stopped else len(plan)
+    for step in range(start + 1, end + 1):
         started = time.perf_counter()
         batch = [examples[i] for i in plan[step - 1].indices]
         metrics = sft_step(policy, optimizer, batch, step, trainer, world)
