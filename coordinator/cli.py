@@ -233,6 +233,7 @@ def _run_sft(config: SFTConfig, resume: bool) -> int:
         world_size=config.trainer.world_size,
         num_threads=config.trainer.num_threads,
         log_path=layout.log,
+        alone=True,
     )
     try:
         code = _follow(proc, layout.log, offset)

@@ -28,9 +28,11 @@ def spawn_ranks(
     world_size: int,
     num_threads: int,
     log_path: Path,
+    alone: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start `world_size` ranks of the rank program `module` under torchrun on this node (a
-    free rendezvous port), logging to `log_path`; torchrun ties its ranks to itself."""
+    free rendezvous port), logging to `log_path`; torchrun ties its ranks to itself. `alone`:
+    nothing else busy shares the machine (see `thread_env`)."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,18 +43,20 @@ def spawn_ranks(
         module,
         *args,
     ]
-    return spawn(cmd, log_path, env={**os.environ, **thread_env(num_threads)})
+    return spawn(cmd, log_path, env={**os.environ, **thread_env(num_threads, alone=alone)})
 
 
-def thread_env(num_threads: int) -> dict[str, str]:
-    """A rank's OpenMP settings: its thread count, and waiting threads that sleep rather than
-    spin, unless the environment says otherwise. With spinning threads a 2-thread rank beside
-    one busy core trained >4x slower than with one thread (50 copy-drill steps not done in
-    240 s against 1,570 tokens/s); with sleeping ones, 1,248 tokens/s there and 1,582 on an idle
-    machine (1,600-1,680 spinning, 1,349 with one thread)."""
+def thread_env(num_threads: int, *, alone: bool = False) -> dict[str, str]:
+    """A rank's OpenMP settings: its thread count, and how its waiting threads wait, unless the
+    environment says otherwise. Beside other busy processes (an RL trainer beside its replicas)
+    they sleep: spinning ones made a 2-thread rank >4x slower beside one busy core (50
+    copy-drill steps not done in 240 s against 1,570 tokens/s; 1,248 tokens/s sleeping). Alone
+    (`lockgate sft`) they spin: sleeping ones cost the CPU recipe's 2-thread SFT 13% (2,915
+    tokens/s against 3,357 over 35 steps, the same losses), a thread woken for each of the
+    small model's many short operations."""
     return {
         "OMP_NUM_THREADS": str(num_threads),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "ACTIVE" if alone else "PASSIVE"),
     }
 
 

