@@ -394,6 +394,14 @@ class RunConfig(BaseModel):
         "on a Ray cluster (the `ray` section), the gateway and the loop here (docs/deploy.md).",
     )
     ray: RaySection = Field(default_factory=RaySection)
+    trainer_first: bool | None = Field(
+        default=None,
+        description="Give the trainer's ranks the CPU before the rest of the run on this "
+        "machine: this process's session (loop, gateways, environment, local replicas) is "
+        "scheduled at autogroup nice 10 while the run lasts (coordinator/cpu_priority.py). "
+        "Unset: when local replicas of the CPU build of vLLM share the cores with a local "
+        "trainer.",
+    )
 
     @model_validator(mode="after")
     def _ray_starts_its_parts(self) -> RunConfig:

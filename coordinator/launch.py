@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
+from lockgate.coordinator.cpu_priority import session_niced
 from lockgate.coordinator.deploy_checks import (
     DeployError,
     ExternalGateway,
@@ -41,7 +42,7 @@ from lockgate.coordinator.part_configs import (
     replica_launch_config_of,
     run_dir_of,
 )
-from lockgate.coordinator.replica_launcher import LocalReplicaSet
+from lockgate.coordinator.replica_launcher import LocalReplicaSet, vllm_is_cpu_build
 from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess
 from lockgate.coordinator.validation import val_tasks_of
 from lockgate.gateway.client import GatewayClient
@@ -339,6 +340,18 @@ def _ray_parts(
     return parts
 
 
+# How far this session's group yields to the trainer's: at 10 the trainer of the CPU recipe
+# got the core it needs (coordinator/cpu_priority.py).
+TRAINER_FIRST_NICE = 10
+
+
+def _trainer_first(config: RunConfig) -> bool:
+    if config.trainer_first is not None:
+        return config.trainer_first
+    local = config.launcher == "local" and not config.replicas.urls
+    return local and vllm_is_cpu_build()
+
+
 def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     """Run `config`; with `resume`, continue the run in its run dir from its newest checkpoint."""
     # Bad deploy input (model dir, ports, the replicas or gateway given by URL) fails here,
@@ -367,6 +380,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     )
 
     with contextlib.ExitStack() as stack:
+        if _trainer_first(config):
+            stack.enter_context(session_niced(TRAINER_FIRST_NICE))
         close_env = getattr(env, "close", None)
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
