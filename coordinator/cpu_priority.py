@@ -11,7 +11,8 @@ bound. With this session's group at nice 10 the trainer's steps took 8-10 s and 
 steps 404 s instead of ~750, generation now the bound (trainer idle 45%).
 
 A group's nice is raised (priority lowered) without privileges and set back when the run ends;
-where autogroups are off or `/proc` is not Linux's, nothing changes.
+where autogroups are off, `/proc` is not Linux's, or the process sits in a task group of its own
+(a container's CPU cgroup: the kernel then leaves the autogroup file empty), nothing changes.
 """
 
 from __future__ import annotations
