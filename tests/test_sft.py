@@ -337,23 +337,38 @@ def test_a_resumed_run_continues_the_uninterrupted_loss_trajectory(
         assert a["sft/lr"] == b["sft/lr"]
 
 
-def test_a_run_stops_at_its_held_out_loss_target_and_stays_stopped_when_resumed(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("rule", "why"),
+    [
+        # Any loss is at or below 100: the first held-out loss, at step 4, stops the run.
+        ({"val_every": 4, "stop_at_val_loss": 100.0}, "held-out loss at or below 100.0"),
+        # Step 2's loss is the first best; step 4's cannot be 99% lower.
+        (
+            {
+                "val_every": 2,
+                "stop_on_plateau": {"below": 100.0, "patience": 1, "min_improvement": 0.99},
+            },
+            "held-out loss plateaued: best ",
+        ),
+    ],
+    ids=["target", "plateau"],
+)
+def test_a_run_stops_early_and_stays_stopped_when_resumed(
+    tmp_path: Path, rule: dict[str, Any], why: str
 ) -> None:
-    # Any loss is at or below 100: the first held-out loss, at step 4, stops the run.
-    config = _config(tmp_path, loop={"val_every": 4, "stop_at_val_loss": 100.0})
+    config = _config(tmp_path, loop=rule)
     result = _lockgate_sft(config)
     _ok(result)
     out = tmp_path / "out"
     assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]
-    assert "sft done: 4 steps (held-out loss at or below 100.0)" in result.stderr
+    assert f"sft done: 4 steps ({why}" in result.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"]
     assert (out / "final" / "model.safetensors").exists()
 
     resumed = _lockgate_sft(config, "--resume")
     _ok(resumed)
     assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]  # no step trained again
-    assert "sft done: 4 steps (held-out loss at or below 100.0)" in resumed.stderr
+    assert f"sft done: 4 steps ({why}" in resumed.stderr
 
 
 def test_two_ranks_train_the_same_steps_as_one(full_run: Path, tmp_path: Path) -> None:
@@ -417,6 +432,7 @@ def test_the_final_dir_is_the_trained_model_in_hf_format(
         (["trainer.lr_schedule=cosine"], "needs decay_steps"),
         (["data.path=missing.jsonl"], "missing.jsonl"),
         (["loop.stop_at_val_loss=0.1"], "needs data.val_path and loop.val_every"),
+        (["loop.stop_on_plateau.below=0.1"], "stop_on_plateau needs data.val_path"),
     ],
 )
 def test_bad_input_is_a_one_line_error_with_exit_2(

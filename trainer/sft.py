@@ -42,6 +42,7 @@ from lockgate.trainer.model import forward_logits, load_policy, pad_batch
 from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
 from lockgate.trainer.sft_config import SFTConfig, SFTLayout
 from lockgate.trainer.sft_data import Example, StepPlan, plan_steps, read_examples
+from lockgate.trainer.sft_stop import stop_reason
 from lockgate.trainer.step import (
     accumulate_and_step,
     build_optimizer,
@@ -191,6 +192,21 @@ def _plan(config: SFTConfig, examples: Sequence[Example]) -> list[StepPlan]:
     return plan[: loop.max_steps] if loop.max_steps is not None else plan
 
 
+def _recorded_val_losses(layout: SFTLayout, through: int, world: Distributed) -> list[float]:
+    """The held-out losses rank 0 recorded up to step `through`, on every rank."""
+    losses: list[float] = []
+    if world.is_main and through > 0 and layout.metrics.exists():
+        records = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line]
+        losses = [
+            float(r["sft/val_loss"])
+            for r in records
+            if r["step"] <= through and "sft/val_loss" in r
+        ]
+    shared = [losses]
+    dist.broadcast_object_list(shared, src=0)
+    return list(shared[0])
+
+
 def train(config: SFTConfig, *, resume: bool) -> None:
     layout = config.layout
     trainer = config.trainer.to_trainer_config(config.model_dir)
@@ -211,39 +227,36 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         optimizer=optimizer,
         world=world,
     )
+    losses = _recorded_val_losses(layout, start, world)
     progress = _Progress(layout, start, len(plan), config.loop.log_every) if world.is_main else None
-    every, stop_at = config.loop.val_every, config.loop.stop_at_val_loss
+    every = config.loop.val_every
     # A run that stopped early checkpointed the step it stopped at, a multiple of val_every:
-    # resumed from there, the same weights give the same loss and it stays stopped.
+    # resumed from there, the losses recorded up to it say stop again.
     last = start
-    stopped = (
-        stop_at is not None
-        and start > 0
-        and start % every == 0
-        and eval_loss(policy, val, trainer, world) <= stop_at
-    )
-    end = start if stopped else len(plan)
+    reason = stop_reason(losses, config.loop) if every and start % every == 0 else None
+    end = start if reason else len(plan)
     for step in range(start + 1, end + 1):
         started = time.perf_counter()
         batch = [examples[i] for i in plan[step - 1].indices]
         metrics = sft_step(policy, optimizer, batch, step, trainer, world)
         if val and ((every and step % every == 0) or step == len(plan)):
             metrics["val_loss"] = eval_loss(policy, val, trainer, world)
-            stopped = stop_at is not None and metrics["val_loss"] <= stop_at
+            losses.append(metrics["val_loss"])
+            reason = stop_reason(losses, config.loop)
         if progress is not None:
             progress.record(step, plan[step - 1].epoch, metrics, time.perf_counter() - started)
         last = step
         if trainer.checkpoint_every and (
-            step % trainer.checkpoint_every == 0 or step == len(plan) or stopped
+            step % trainer.checkpoint_every == 0 or step == len(plan) or reason
         ):
             save_checkpoint(
                 layout.checkpoints, step, policy, optimizer, world, keep=trainer.keep_checkpoints
             )
-        if stopped:
+        if reason:
             break
     export_model(policy, config.model_dir, layout.final, world)
     if world.is_main:
-        why = f" (held-out loss at or below {stop_at})" if stopped else ""
+        why = f" ({reason})" if reason else ""
         print(f"sft done: {last} steps{why}, model in {layout.final}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 

@@ -65,6 +65,27 @@ class SFTDataSection(BaseModel):
     )
 
 
+class PlateauStop(BaseModel):
+    """Stop once the held-out loss has come down and then stopped improving."""
+
+    model_config = ConfigDict(extra="forbid")
+    below: float = Field(
+        gt=0,
+        description="Only once a held-out loss has been at or below this: a loss still on a "
+        "long first plateau before it falls (the DeepResearch copy drills sit near 2.6 for "
+        "hundreds of steps) must not stop the run.",
+    )
+    patience: int = Field(
+        default=3, ge=1, description="Held-out checks in a row without a new best loss."
+    )
+    min_improvement: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="A new best is at least this fraction below the previous best (0.1: 10%).",
+    )
+
+
 class SFTLoopSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     epochs: int = Field(default=1, ge=1, description="Passes over the training data.")
@@ -104,6 +125,12 @@ class SFTLoopSection(BaseModel):
         "a loss that falls suddenly at a step no run can foretell (the DeepResearch copy "
         "drills) gets the steps it needs, with epochs / max_steps as the cap. Needs "
         "data.val_path and val_every.",
+    )
+    stop_on_plateau: PlateauStop | None = Field(
+        default=None,
+        description="Stop (checkpoint, export) when the held-out loss, once at or below "
+        "`below`, has not set a new best for `patience` checks: the steps a loss that will "
+        "not reach stop_at_val_loss would spend for nothing. Needs data.val_path and val_every.",
     )
 
 
@@ -161,10 +188,11 @@ class SFTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _stop_needs_a_held_out_loss(self) -> SFTConfig:
-        if self.loop.stop_at_val_loss is not None and (
-            self.data.val_path is None or self.loop.val_every == 0
-        ):
-            raise ValueError("loop.stop_at_val_loss needs data.val_path and loop.val_every > 0")
+        if self.data.val_path is not None and self.loop.val_every > 0:
+            return self
+        for name in ("stop_at_val_loss", "stop_on_plateau"):
+            if getattr(self.loop, name) is not None:
+                raise ValueError(f"loop.{name} needs data.val_path and loop.val_every > 0")
         return self
 
     def resolved(self, base: Path, model_dir: Path) -> SFTConfig:

@@ -1,0 +1,64 @@
+"""When `lockgate sft` stops early: the rules over held-out losses (trainer/sft_stop.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockgate.trainer.sft_config import PlateauStop, SFTLoopSection
+from lockgate.trainer.sft_stop import plateaued, stop_reason
+
+# Seed 0's copy drills of the DeepResearch CPU recipe, every 50 steps from step 50: a long
+# first plateau near 2.6-3.4, a fall, then 0.08-0.11 until the 1,200-step cap.
+SEED0_DRILLS = [3.392, 2.954, 2.739, 2.484, 1.925, 1.259, 0.878, 0.721, 0.563, 0.405, 0.229]
+SEED0_DRILLS += [0.167, 0.117, 0.094, 0.092, 0.082, 0.089, 0.112, 0.099, 0.091, 0.091, 0.096]
+RULE = PlateauStop(below=0.15, patience=3, min_improvement=0.1)
+
+
+def _first_stop(losses: list[float], rule: PlateauStop) -> int | None:
+    return next((n for n in range(1, len(losses) + 1) if plateaued(losses[:n], rule)), None)
+
+
+def test_seed_0s_drills_stop_three_checks_after_their_last_ten_percent_gain() -> None:
+    # 0.082 at step 800 is the last best 10% under the one before (0.094); 850, 900 and 950
+    # set none, so the run stops at step 950 instead of 1,200.
+    assert _first_stop(SEED0_DRILLS, RULE) == 19
+    assert (19 * 50) == 950
+
+
+def test_the_first_plateau_does_not_stop_a_run_that_has_not_fallen() -> None:
+    # Near 2.6 for many checks: never at or below `below`, so never armed.
+    flat = [2.70, 2.65, 2.66, 2.64, 2.65, 2.66, 2.63]
+    assert _first_stop(flat, RULE) is None
+    assert _first_stop(flat, RULE.model_copy(update={"below": 3.0})) == 4
+
+
+def test_a_loss_falling_ten_percent_over_three_checks_goes_on() -> None:
+    # 4% a check: 0.96**3 = 0.885, so every third check is a new best and the run goes on.
+    slow = [0.1 * 0.96**n for n in range(20)]
+    assert _first_stop(slow, RULE) is None
+    # 3% a check: 0.97**3 = 0.913, never 10% under the last best in three checks.
+    assert _first_stop([0.1 * 0.97**n for n in range(20)], RULE) == 4
+
+
+def test_small_gains_do_not_reset_the_count() -> None:
+    # Each check a little lower, none 10% under the best that counted (0.100).
+    assert _first_stop([0.100, 0.097, 0.094, 0.092], RULE) == 4
+
+
+def test_the_target_comes_first_and_a_loop_without_rules_never_stops() -> None:
+    both = SFTLoopSection(stop_at_val_loss=0.03, stop_on_plateau=RULE)
+    assert stop_reason([0.1, 0.05, 0.02], both) == "held-out loss at or below 0.03"
+    assert stop_reason(SEED0_DRILLS[:19], both) == (
+        "held-out loss plateaued: best 0.0820, no new best 10% lower in 3 checks"
+    )
+    assert stop_reason(SEED0_DRILLS[:18], both) is None
+    assert stop_reason(SEED0_DRILLS, SFTLoopSection()) is None
+    assert stop_reason([], both) is None
+
+
+@pytest.mark.parametrize(
+    "bad", [{"below": 0}, {"below": 1, "patience": 0}, {"below": 1, "min_improvement": 1}]
+)
+def test_rules_out_of_range_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PlateauStop.model_validate(bad)

@@ -1,0 +1,41 @@
+"""When a supervised run stops before its planned steps: pure rules over the held-out losses.
+
+Every rank reaches the same answer from the same all-reduced losses, so they stop together; a
+resumed run feeds the losses recorded up to its checkpoint and, if the run had stopped there,
+stays stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lockgate.trainer.sft_config import PlateauStop, SFTLoopSection
+
+
+def plateaued(losses: Sequence[float], rule: PlateauStop) -> bool:
+    """Whether `losses` (oldest first) have plateaued under `rule`: once one was at or below
+    `rule.below`, the last `rule.patience` set no best `rule.min_improvement` below the one
+    before."""
+    best, since, armed = float("inf"), 0, False
+    for loss in losses:
+        if loss < best * (1 - rule.min_improvement):
+            best, since = loss, 0
+        else:
+            since += 1
+        armed = armed or loss <= rule.below
+    return armed and since >= rule.patience
+
+
+def stop_reason(losses: Sequence[float], loop: SFTLoopSection) -> str | None:
+    """Why the run stops after the last of `losses`, or None to go on."""
+    if not losses:
+        return None
+    if loop.stop_at_val_loss is not None and losses[-1] <= loop.stop_at_val_loss:
+        return f"held-out loss at or below {loop.stop_at_val_loss}"
+    rule = loop.stop_on_plateau
+    if rule is not None and plateaued(losses, rule):
+        return (
+            f"held-out loss plateaued: best {min(losses):.4f}, no new best "
+            f"{rule.min_improvement:.0%} lower in {rule.patience} checks"
+        )
+    return None
