@@ -22,7 +22,7 @@ from lockgate.coordinator.deploy_commands import (
 )
 from lockgate.coordinator.gateway_process import GatewayDied, GatewayStartError
 from lockgate.coordinator.part_configs import run_dir_of
-from lockgate.coordinator.replica_launcher import ReplicaStartError
+from lockgate.coordinator.replica_launcher import ReplicaStartError, usable_cpus
 from lockgate.coordinator.view_command import add_view_parser, run_view
 from lockgate.trainer.protocol import write_atomic
 from lockgate.trainer.sft_config import SFTConfig
@@ -194,6 +194,7 @@ def _prepare_sft_data(config: SFTConfig) -> None:
             max_length=data.max_length,
             overlong=data.overlong,
             end_of_turn=data.end_of_turn,
+            workers=len(usable_cpus()),
         )
         if not examples:
             raise ValueError(f"{source}: no conversation has an assistant token to train on")

@@ -18,6 +18,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lockgate.coordinator.config import read_config_file
+from lockgate.trainer import sft_data
 from lockgate.trainer.sft_config import SFTConfig
 from lockgate.trainer.sft_data import (
     ChatTokenizer,
@@ -187,6 +188,24 @@ def test_a_template_that_re_renders_history_is_an_error_naming_the_line(
     path = _write_jsonl(tmp_path / "chats.jsonl", [CHATS[3], REPLAYED])
     with pytest.raises(TemplateMismatch, match=r"chats\.jsonl line 2: message 1 \(assistant\)"):
         tokenize_file(path, tokenizer, max_length=512, overlong="drop", end_of_turn=None)
+
+
+def test_forked_workers_render_what_one_process_renders_in_file_order(
+    tokenizer: ChatTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks of two lines over two workers, whatever the file's length.
+    monkeypatch.setattr(sft_data, "_PARALLEL_FROM", 1)
+    monkeypatch.setattr(sft_data, "_CHUNK", 2)
+    path = _write_jsonl(tmp_path / "chats.jsonl", CHATS * 3)
+    args: dict[str, Any] = {"max_length": 4096, "overlong": "drop", "end_of_turn": None}
+    one, one_stats = tokenize_file(path, tokenizer, **args)
+    two, two_stats = tokenize_file(path, tokenizer, workers=2, **args)
+    assert two == one and two_stats == one_stats
+    assert [e.line for e in two] == list(range(1, 3 * len(CHATS) + 1))
+    # A worker's error reaches the caller as it is, naming its line.
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [*CHATS, REPLAYED])
+    with pytest.raises(TemplateMismatch, match=rf"bad\.jsonl line {len(CHATS) + 1}: message 1"):
+        tokenize_file(bad, tokenizer, workers=2, **args)
 
 
 def test_overlong_chats_are_truncated_or_dropped_and_counted(
