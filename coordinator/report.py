@@ -319,7 +319,8 @@ def plot_reward(series: StepSeries, path: Path) -> Path:
             label="validation (greedy, held-out)",
         )
     _finish_axis(ax, "Reward per step", "trainer step", "reward")
-    ax.legend(loc="best", fontsize=9)
+    # Below the axes: the min-max band usually fills the whole plot, leaving no free corner.
+    fig.legend(loc="outside lower center", ncol=3, fontsize=9)
     return _save(fig, path)
 
 
