@@ -102,23 +102,32 @@ def test_free_strings_are_bounded_wherever_they_are_and_tighter_bounds_kept() ->
     }
     out = bound_strings(schema, 10)
     props = out["properties"]
-    bounded = "^[^\\x00-\\x1f]{0,10}$"  # no control characters: the call stays valid JSON
+    # No control characters (the call stays valid JSON), and at most 10 UTF-8 bytes: 10 ASCII
+    # characters, or 2 of any kind (one takes up to 4 bytes, each maybe a token of its own).
+    bounded = "^(?:[\\x20-\\x7f]{0,10}|[^\\x00-\\x1f]{0,2})$"
     assert props["q"] == {"type": "string", "pattern": bounded}
-    assert props["short"]["pattern"] == "^[^\\x00-\\x1f]{2,3}$"
+    assert props["short"]["pattern"] == "^(?:[\\x20-\\x7f]{2,3}|[^\\x00-\\x1f]{2,2})$"
     assert "pattern" not in props["kind"] and "pattern" not in props["date"]
     assert props["tags"]["items"]["pattern"] == bounded
     assert props["opt"]["anyOf"][0]["pattern"] == bounded
     assert props["n"] == {"type": "integer"}
     assert out["$defs"]["Name"]["pattern"] == bounded
     assert "pattern" not in schema["properties"]["q"]  # the tool's own schema is untouched
-    # A minimum length over the bound is cut to it, so the schema stays satisfiable.
-    assert bound_strings({"type": "string", "minLength": 50}, 10)["pattern"].endswith("{10,10}$")
+    # A minimum length over the bound is cut to it, so the schema stays satisfiable (in ASCII:
+    # 10 characters of any kind could take 40 tokens).
+    assert bound_strings({"type": "string", "minLength": 50}, 10)["pattern"] == (
+        "^[\\x20-\\x7f]{10,10}$"
+    )
+    # Too tight for a character that may take 4 tokens: ASCII only.
+    assert bound_strings({"type": "string"}, 3)["pattern"] == "^[\\x20-\\x7f]{0,3}$"
 
 
-def test_the_worst_case_counts_markers_as_one_token_and_text_a_token_a_character() -> None:
+def test_the_worst_case_counts_markers_as_one_token_and_text_a_token_a_byte() -> None:
     special = {"<tool_call>": 1012, "</tool_call>": 1013}
     assert most_tokens('<tool_call>\n{"a": ', special) == 1 + 7
     assert most_tokens("}\n</tool_call>", special) == 3
+    # A byte-level tokenizer may spell a character outside ASCII a byte a token.
+    assert most_tokens('{"é": "中"}', special) == 8 + 2 + 3
 
 
 @pytest.mark.parametrize(
@@ -175,6 +184,9 @@ def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(
         return all(matcher.accept_token(t) for t in ids), matcher
 
     begin, end = '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"
+    tag = json.loads(constraint["structural_tag"])
+    pattern = next(n for n in _nodes(tag) if "pattern" in n)["pattern"]
+    longest = int(pattern.split(",")[1].split("}")[0])  # the string's share: ASCII characters
     ok, matcher = accepts("<think>short</think>\n\n", begin, '{"city": "Paris"}', end)
     assert ok
     # After the call, only the end of the turn: no free text, no second call.
@@ -182,8 +194,13 @@ def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(
     assert accepts(begin, '{"city": "Paris"}', end)[0]  # thinking is optional
     assert not accepts(begin, '{"city": "P\x03"}', end)[0]  # raw control characters: bad JSON
     assert not accepts(begin, '{"city": "%s"}' % ("x" * 40), end)[0]  # past the strings' share
+    assert accepts(begin, '{"city": "%s"}' % ("x" * longest), end)[0]
+    # The share is in bytes: a character outside ASCII may take a token per byte (the random
+    # model spelt 3- and 4-byte ones so, and ran past the budget), so it counts 4.
+    assert accepts(begin, '{"city": "%s"}' % ("中" * (longest // 4)), end)[0]
+    assert not accepts(begin, '{"city": "%s"}' % ("中" * (longest // 4 + 1)), end)[0]
+    assert not accepts(begin, '{"city": "%s"}' % ("x" * (longest - 1) + "中"), end)[0]
     # The thinking's share: once spent, the grammar allows only its end.
-    tag = json.loads(constraint["structural_tag"])
     think = next(n for n in _nodes(tag) if n.get("type") == "any_text")["max_tokens"]
     matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops)
     word = tok.encode(" word", add_special_tokens=False)
@@ -196,9 +213,7 @@ def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(
     allowed = [i for i in range(info.vocab_size) if (int(mask[0, i // 32]) >> (i % 32)) & 1]
     assert allowed == [tok.convert_tokens_to_ids("</think>")]
     # Thinking and the string's shares, and the call's reserve, add up within the budget.
-    pattern = next(n for n in _nodes(tag) if "pattern" in n)["pattern"]
-    longest = int(pattern.split(",")[1].split("}")[0])
-    # The worst case: the fixed text spelt a character a token, the markers as their tokens.
+    # The worst case: the fixed text spelt a byte a token, the markers as their tokens.
     special = dict(tok.get_added_vocab())
     fixed = sum(most_tokens(p, special) for p in (begin, '{"city":""}', end)) + 1  # + the stop
     assert fixed + 5 + 4 + think + longest <= 96, (fixed, think, longest)  # 5: whitespace

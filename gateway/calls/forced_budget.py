@@ -7,9 +7,10 @@ answer is cut (`finish_reason: length`) before the call closes, and agent framew
 the budget: the call's fixed syntax and the shortest arguments its schema allows are reserved
 first; of what is left, half may go to thinking (a token-exact bound in the grammar). When the
 budget is tight (under four such calls) the rest goes to the free-text string arguments,
-bounded in characters (an ordinary token spells at least one), the JSON whitespace is cut to
-one character a place and only one call is allowed; an ample budget leaves strings,
-whitespace and parallel calls as they are.
+bounded in UTF-8 bytes (a byte-level tokenizer's token spells at least one byte, and may spell
+a character outside ASCII a byte a token: `bound_strings`), the JSON whitespace is cut to one
+character a place and only one call is allowed; an ample budget leaves strings, whitespace and
+parallel calls as they are.
 
 Pure: token counts come from a function the caller passes (`most_tokens` for the worst
 case the grammar allows).
@@ -26,12 +27,16 @@ from typing import Any
 THINK_OVERHEAD_TOKENS = 4
 # The stop token after the call.
 END_OF_TURN_TOKENS = 1
+# The most UTF-8 bytes one character takes, so the most tokens a byte-level tokenizer may spell
+# it in (the tiny model's random weights do spell 3- and 4-byte characters a byte a token).
+MAX_CHAR_BYTES = 4
 
 
 @dataclass(frozen=True)
 class ForcedBudget:
     """The bounds that make a forced call fit: `think_tokens` None means no thinking at all;
-    `string_chars` is the longest any one free-text string argument may be (None: unbounded);
+    `string_chars` is the most tokens any one free-text string argument may take, as that many
+    ASCII characters or a quarter as many others (`bound_strings`; None: unbounded);
     `whitespace` the JSON whitespace allowed in one place; `one_call` when the budget is too
     tight for parallel calls (the first takes all the room)."""
 
@@ -94,7 +99,10 @@ def plan_forced_budget(
 
 def bound_strings(schema: Any, max_chars: int) -> Any:
     """`schema` with every free-text string (no enum, const, pattern or format) at most
-    `max_chars` characters; a tighter `maxLength` already there is kept.
+    `max_chars` UTF-8 bytes, so at most `max_chars` tokens however the model spells it: up to
+    `max_chars` ASCII characters, or up to a quarter as many when any is outside ASCII (one
+    takes up to four bytes, which a byte-level tokenizer may spell a byte a token); a tighter
+    `maxLength` already there is kept.
 
     The bound is a pattern, not `maxLength`: xgrammar (0.2) lets a string under `maxLength`
     hold raw control characters, which makes the call invalid JSON, and drops the bound when a
@@ -107,10 +115,22 @@ def bound_strings(schema: Any, max_chars: int) -> Any:
         return schema
     out = {key: _bound_child(key, value, max_chars) for key, value in schema.items()}
     if _is_free_string(schema):
-        longest = min(int(schema.get("maxLength", max_chars)), max_chars)
-        shortest = min(int(schema.get("minLength", 0)), longest)
-        out["pattern"] = f"^[^\\x00-\\x1f]{{{shortest},{longest}}}$"
+        out["pattern"] = _bounded_string_pattern(schema, max_chars)
     return out
+
+
+def _bounded_string_pattern(schema: Mapping[str, Any], max_bytes: int) -> str:
+    """A pattern for a string of at most `max_bytes` UTF-8 bytes, without control characters,
+    within the schema's own length bounds (a minimum over the bound is cut to it)."""
+    most = int(schema.get("maxLength", max_bytes))
+    longest = min(most, max_bytes)
+    shortest = min(int(schema.get("minLength", 0)), longest)
+    ascii_only = f"[\\x20-\\x7f]{{{shortest},{longest}}}"
+    # Any character but a control one, each counted as its most bytes.
+    wide = min(most, max_bytes // MAX_CHAR_BYTES)
+    if wide < max(shortest, 1):
+        return f"^{ascii_only}$"
+    return f"^(?:{ascii_only}|[^\\x00-\\x1f]{{{shortest},{wide}}})$"
 
 
 def _bound_child(key: str, value: Any, max_chars: int) -> Any:
@@ -153,12 +173,13 @@ def _shortest_call(
 
 def most_tokens(text: str, special: Mapping[str, int]) -> int:
     """The most tokens a model can spend writing `text` under the grammar: one per format
-    marker (matched as its special token) and one per character otherwise, since the grammar
-    lets a model spell fixed text a character a token (a trained model writes far fewer)."""
-    count = len(text)
+    marker (matched as its special token) and one per UTF-8 byte otherwise, since the grammar
+    lets a byte-level tokenizer spell fixed text a byte a token (a trained model writes far
+    fewer)."""
+    count = len(text.encode())
     for marker in special:
         if marker in text:
-            count -= text.count(marker) * (len(marker) - 1)
+            count -= text.count(marker) * (len(marker.encode()) - 1)
     return count
 
 
