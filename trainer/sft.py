@@ -217,7 +217,12 @@ def train(config: SFTConfig, *, resume: bool) -> None:
     val = read_examples(layout.val_data) if config.data.val_path is not None else []
     plan = _plan(config, examples)
     policy = load_policy(config.model_dir, world.device)
-    shard_model(policy, world.mesh, activation_checkpointing=trainer.activation_checkpointing)
+    shard_model(
+        policy,
+        world.mesh,
+        activation_checkpointing=trainer.activation_checkpointing,
+        compute_dtype=trainer.compute_dtype,
+    )
     optimizer = build_optimizer(policy, trainer)
     start = restore_or_clear(
         layout.checkpoints,

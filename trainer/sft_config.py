@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from lockgate.trainer.config import Device, LrSchedule, Packing, TrainerConfig
+from lockgate.trainer.config import ComputeDtype, Device, LrSchedule, Packing, TrainerConfig
 
 BatchUnit = Literal["conversations", "tokens"]
 Overlong = Literal["truncate", "drop"]
@@ -154,6 +154,7 @@ class SFTTrainerSection(BaseModel):
     micro_batch_tokens: int = _shared("micro_batch_tokens")
     micro_batch_packing: Packing = _shared("micro_batch_packing")
     activation_checkpointing: bool = _shared("activation_checkpointing")
+    compute_dtype: ComputeDtype = _shared("compute_dtype")
     checkpoint_every: int = _shared("checkpoint_every")
     keep_checkpoints: int = _shared("keep_checkpoints")
 
