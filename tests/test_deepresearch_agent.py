@@ -19,14 +19,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from lockgate.examples.deepresearch.agent import (
-    AgentConfig,
-    Episode,
-    Tools,
-    format_hit,
-    format_hits,
-    run_episode,
-)
+from lockgate.examples.deepresearch.agent import AgentConfig, Episode, Tools, run_episode
 from lockgate.examples.deepresearch.retrieval.index import BM25Index, Hit
 from tests.test_gateway_edges import ADMIN, REPLICA, FakeReplica, serve_gateway
 
@@ -167,7 +160,7 @@ async def test_a_two_hop_episode_is_one_recorded_sample_with_tool_turns(rig: Rig
     first_call = sent[2]["tool_calls"][0]
     assert sent[2]["role"] == "assistant" and first_call["function"]["name"] == "search"
     assert sent[3]["role"] == "tool" and sent[3]["tool_call_id"] == first_call["id"]
-    assert sent[3]["content"].startswith("[d1] Kaven Lomos was born in Bramholt.")
+    assert sent[3]["content"].startswith("[d1] Kaven Lomos: Kaven Lomos was born in Bramholt.")
     # Each prompt extends the previous prompt + completion: one training sample, no split.
     for before, after in itertools.pairwise(calls):
         assert after["prompt_ids"][: len(before["prompt_ids"]) + len(before["completion_ids"])] == (
@@ -232,16 +225,4 @@ async def test_unknown_tools_and_bad_arguments_are_tool_errors(
     assert "not valid JSON" in str((await tools.run("search", "{query"))[1])
     assert (await tools.run("open", '{"id": "nope"}'))[1] == "no document with id nope"
     text, error = await tools.run("open", '{"id": "d2"}')
-    assert error is None and text == "[d2] Quel Group is headquartered in Tarport."
-
-
-def test_a_hit_says_its_title_once() -> None:
-    own = Hit(id="d2", contents='"Quel Group"\nQuel Group is headquartered in Tarport.')
-    assert format_hit(own) == "[d2] Quel Group is headquartered in Tarport."
-    # A wiki-style text that does not open with its title, or opens with a longer word.
-    wiki = Hit(id="7", contents='"Tarport"\nA harbour town on the coast.')
-    assert format_hit(wiki) == "[7] Tarport: A harbour town on the coast."
-    longer = Hit(id="8", contents='"Quel"\nQuelford is a city.')
-    assert format_hit(longer) == "[8] Quel: Quelford is a city."
-    assert format_hits([own, wiki], doc_chars=10) == "[d2] Quel Group\n[7] Tarport: A harbour "
-    assert format_hits([], doc_chars=10) == "No results."
+    assert error is None and text == "[d2] Quel Group: Quel Group is headquartered in Tarport."

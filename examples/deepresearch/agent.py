@@ -119,21 +119,10 @@ class Episode(BaseModel):
         }
 
 
-def format_hit(hit: Hit, doc_chars: int | None = None) -> str:
-    """`[id] Title: text`, or `[id] text` when the text opens with its title (as the CPU
-    knowledge base's documents do): the title said twice cost ~19 of a transcript's ~290 tokens
-    of its own, 11% of its tool results."""
-    text = hit.text if doc_chars is None else hit.text[:doc_chars]
-    rest = text[len(hit.title) :]
-    if hit.title and text.startswith(hit.title) and not rest[:1].isalnum():
-        return f"[{hit.id}] {text}"
-    return f"[{hit.id}] {hit.title}: {text}"
-
-
 def format_hits(hits: Sequence[Hit], doc_chars: int) -> str:
     if not hits:
         return "No results."
-    return "\n".join(format_hit(h, doc_chars) for h in hits)
+    return "\n".join(f"[{h.id}] {h.title}: {h.text[:doc_chars]}" for h in hits)
 
 
 class Retrieval(Protocol):
@@ -172,7 +161,7 @@ class Tools:
                 hit = await self.retrieval.document(doc_id)
                 if hit is None:
                     return self._error(f"no document with id {doc_id}")
-                return format_hit(hit), None
+                return f"[{hit.id}] {hit.title}: {hit.text}", None
         except RetrievalError as exc:
             return self._error(f"retrieval failed: {exc}")
         return self._error(f"unknown tool {name!r}")

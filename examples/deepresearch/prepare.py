@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the recipe's data directory")
     parser.add_argument("--sft-train", type=int, default=5000, help="training transcripts")
     parser.add_argument("--sft-val", type=int, default=200, help="validation transcripts")
-    parser.add_argument("--drills", type=int, default=19_200, help="copy drill lines")
-    parser.add_argument(
-        "--topk", type=int, default=AgentConfig().topk, help="documents per search in transcripts"
-    )
+    parser.add_argument("--drills", type=int, default=9600, help="copy drill lines")
     parser.add_argument("--kb-seed", type=int, default=0, help="the knowledge base's seed")
     parser.add_argument(
         "--transcript-seed", type=int, default=0, help="picks the transcripts' fresh worlds"
@@ -130,13 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_model(kb)
     # Training and validation transcripts come from worlds of different seeds.
     base = args.transcript_seed * 1000
-    config = AgentConfig(topk=args.topk)
     for name, count, seed in (("sft_train", args.sft_train, 0), ("sft_val", args.sft_val, 999)):
-        runs = fresh_transcripts(count, seed=base + seed, config=config, desc=name)
+        runs = fresh_transcripts(count, seed=base + seed, desc=name)
         write_transcripts(args.out / f"{name}.jsonl", runs)
-    # The drills' stop is judged on the held-out ones: 64 of seed 0's read 0.12 where its unseen
-    # training drills read 0.03 (drill_cpu.yaml).
-    for name, count, seed in (("drill_train", args.drills, 0), ("drill_val", 256, 999)):
+    for name, count, seed in (("drill_train", args.drills, 0), ("drill_val", 64, 999)):
         write_jsonl(args.out / f"{name}.jsonl", copy_drills(count, seed=base + seed))
     print(f"model={model}\nkb={kb}\nsft_train={args.out / 'sft_train.jsonl'}")
     return 0

@@ -17,17 +17,13 @@ RUN=${RUN:-runs/deepresearch/seed$SEED}
 PY=.venv/bin/python
 LG=.venv/bin/lockgate
 MOD=lockgate.examples.deepresearch
-# Two documents per search, not the peers' three: a third of the tool results' tokens, so of
-# SFT's, RL's and the evaluations' time, for one point of the oracle's held-out success
-# (0.895 against 0.905). rl_cpu.yaml says the same for the RL phase.
-TOPK=2
 say() { echo "[deepresearch] $*" >&2; }
 
 bash scripts/setup.sh
 mkdir -p "$RUN"
 started=$(date +%s)
 say "1/5 knowledge base, model and SFT transcripts in $DATA"
-eval "$($PY -m $MOD.prepare --out "$DATA" --transcript-seed "$SEED" --topk $TOPK)"  # sets model=, kb=, ...
+eval "$($PY -m $MOD.prepare --out "$DATA" --transcript-seed "$SEED")"  # sets model=, kb=, ...
 
 say "2/5 supervised warm start (lockgate sft: copy drills, then transcripts) -> $RUN/drill, $RUN/sft"
 sft() {  # CONFIG DATA_NAME FROM_MODEL OUT
@@ -44,14 +40,13 @@ say "3/5 held-out evaluation of the SFT model (T=1, greedy, oracle, no search)"
 # each differed by up to 3.8 points, as much as the change to be measured (EXPERIMENTS.md).
 # 96 episodes in flight: one model's evaluation took 181 and 154 s against 247 and 189 s at 32,
 # alternated on one day.
-EVAL=(--kb-dir "$kb" --samples 8 --concurrency 96 --agent "{\"topk\": $TOPK}")
+EVAL=(--kb-dir "$kb" --samples 8 --concurrency 96)
 $PY -m $MOD.evaluate run --model "$SFT_MODEL" "${EVAL[@]}" --out "$RUN/eval_sft.json" \
   --oracle --no-search
 
 say "4/5 fully-async GRPO (lockgate train) -> $RUN/rl"
 $LG train examples/deepresearch/configs/rl_cpu.yaml --run-dir "$RUN/rl" --set "seed=$SEED" \
-  --set "model.path=$(pwd)/$SFT_MODEL" --set "environment.args.kb_dir=$(pwd)/$kb" \
-  --set "environment.args.agent.topk=$TOPK" "$@"
+  --set "model.path=$(pwd)/$SFT_MODEL" --set "environment.args.kb_dir=$(pwd)/$kb" "$@"
 
 say "5/5 held-out evaluation of the RL model"
 last=$(ls -d "$RUN"/rl/trainer/weights/step_* | sort -t_ -k2 -n | tail -1)
