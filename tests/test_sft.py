@@ -358,10 +358,10 @@ def test_a_resumed_run_continues_the_uninterrupted_loss_trajectory(
 
 
 @pytest.mark.parametrize(
-    ("rule", "why"),
+    ("rule", "why", "stop"),
     [
         # Any loss is at or below 100: the first held-out loss, at step 4, stops the run.
-        ({"val_every": 4, "stop_at_val_loss": 100.0}, "held-out loss at or below 100.0"),
+        ({"val_every": 4, "stop_at_val_loss": 100.0}, "held-out loss at or below 100.0", 4),
         # Step 2's loss is the first best; step 4's cannot be 99% lower.
         (
             {
@@ -369,26 +369,33 @@ def test_a_resumed_run_continues_the_uninterrupted_loss_trajectory(
                 "stop_on_plateau": {"below": 100.0, "patience": 1, "min_improvement": 0.99},
             },
             "held-out loss plateaued: best ",
+            4,
+        ),
+        # The first full window of 3 training losses, at step 3 (not a held-out step).
+        (
+            {"val_every": 4, "stop_at_train_loss": 100.0, "train_loss_window": 3},
+            "training loss over the last 3 steps ",
+            3,
         ),
     ],
-    ids=["target", "plateau"],
+    ids=["target", "plateau", "train-window"],
 )
 def test_a_run_stops_early_and_stays_stopped_when_resumed(
-    tmp_path: Path, rule: dict[str, Any], why: str
+    tmp_path: Path, rule: dict[str, Any], why: str, stop: int
 ) -> None:
     config = _config(tmp_path, loop=rule)
     result = _lockgate_sft(config)
     _ok(result)
     out = tmp_path / "out"
-    assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]
-    assert f"sft done: 4 steps ({why}" in result.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"]
+    assert [r["step"] for r in _records(out)] == list(range(1, stop + 1))
+    assert f"sft done: {stop} steps ({why}" in result.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop}"]
     assert (out / "final" / "model.safetensors").exists()
 
     resumed = _lockgate_sft(config, "--resume")
     _ok(resumed)
-    assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]  # no step trained again
-    assert f"sft done: 4 steps ({why}" in resumed.stderr
+    assert [r["step"] for r in _records(out)] == list(range(1, stop + 1))  # none trained again
+    assert f"sft done: {stop} steps ({why}" in resumed.stderr
 
 
 def test_two_ranks_train_the_same_steps_as_one(full_run: Path, tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
-"""When `lockgate sft` stops early: the rules over held-out losses (trainer/sft_stop.py)."""
+"""When `lockgate sft` stops early: the rules over held-out and training losses
+(trainer/sft_stop.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lockgate.trainer.sft_config import PlateauStop, SFTLoopSection
-from lockgate.trainer.sft_stop import plateaued, stop_reason
+from lockgate.trainer.sft_stop import plateaued, stop_reason, windowed_loss
 
 # Seed 0's copy drills of the DeepResearch CPU recipe, every 50 steps from step 50: a long
 # first plateau near 2.6-3.4, a fall, then 0.08-0.11 until the 1,200-step cap.
@@ -53,6 +54,25 @@ def test_the_target_comes_first_and_a_loop_without_rules_never_stops() -> None:
     assert stop_reason(SEED0_DRILLS[:18], both) is None
     assert stop_reason(SEED0_DRILLS, SFTLoopSection()) is None
     assert stop_reason([], both) is None
+
+
+def test_the_training_loss_window_is_token_weighted_and_waits_to_be_full() -> None:
+    steps = [(9.0, 100.0), (0.5, 10.0), (0.1, 30.0)]
+    assert windowed_loss(steps, 4) is None
+    assert windowed_loss(steps, 2) == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)  # 0.2, not 0.3
+    assert windowed_loss([(1.0, 0.0)], 1) is None  # no trained token: nothing measured
+
+
+def test_the_training_loss_stop_fires_on_its_window_before_any_held_out_rule() -> None:
+    loop = SFTLoopSection(stop_at_train_loss=0.2, train_loss_window=2, stop_at_val_loss=0.03)
+    steps = [(9.0, 100.0), (0.5, 10.0), (0.1, 30.0)]
+    assert stop_reason([], loop, steps[:2]) is None  # window mean (9*100 + 0.5*10) / 110
+    assert stop_reason([0.5], loop, steps) == (
+        "training loss over the last 2 steps 0.2000, at or below 0.2"
+    )
+    # Without the rule the same steps stop nothing; the held-out target still works alone.
+    assert stop_reason([0.5], SFTLoopSection(), steps) is None
+    assert stop_reason([0.02], loop, steps[:2]) == "held-out loss at or below 0.03"
 
 
 @pytest.mark.parametrize(

@@ -192,19 +192,21 @@ def _plan(config: SFTConfig, examples: Sequence[Example]) -> list[StepPlan]:
     return plan[: loop.max_steps] if loop.max_steps is not None else plan
 
 
-def _recorded_val_losses(layout: SFTLayout, through: int, world: Distributed) -> list[float]:
-    """The held-out losses rank 0 recorded up to step `through`, on every rank."""
-    losses: list[float] = []
+def _recorded_losses(
+    layout: SFTLayout, through: int, world: Distributed
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """The held-out losses and each step's (training loss, trained tokens) that rank 0
+    recorded up to step `through`, on every rank."""
+    val: list[float] = []
+    steps: list[tuple[float, float]] = []
     if world.is_main and through > 0 and layout.metrics.exists():
         records = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line]
-        losses = [
-            float(r["sft/val_loss"])
-            for r in records
-            if r["step"] <= through and "sft/val_loss" in r
-        ]
-    shared = [losses]
+        kept = [r for r in records if r["step"] <= through]
+        val = [float(r["sft/val_loss"]) for r in kept if "sft/val_loss" in r]
+        steps = [(float(r["sft/loss"]), float(r["sft/trained_tokens"])) for r in kept]
+    shared = [(val, steps)]
     dist.broadcast_object_list(shared, src=0)
-    return list(shared[0])
+    return shared[0]
 
 
 def train(config: SFTConfig, *, resume: bool) -> None:
@@ -232,22 +234,24 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         optimizer=optimizer,
         world=world,
     )
-    losses = _recorded_val_losses(layout, start, world)
+    losses, steps = _recorded_losses(layout, start, world)
     progress = _Progress(layout, start, len(plan), config.loop.log_every) if world.is_main else None
     every = config.loop.val_every
-    # A run that stopped early checkpointed the step it stopped at, a multiple of val_every:
-    # resumed from there, the losses recorded up to it say stop again.
+    # A run that stopped early checkpointed the step it stopped at: resumed from there, the
+    # losses recorded up to it say stop again (from an earlier checkpoint they cannot, or the
+    # run would have stopped there).
     last = start
-    reason = stop_reason(losses, config.loop) if every and start % every == 0 else None
+    reason = stop_reason(losses, config.loop, steps) if start else None
     end = start if reason else len(plan)
     for step in range(start + 1, end + 1):
         started = time.perf_counter()
         batch = [examples[i] for i in plan[step - 1].indices]
         metrics = sft_step(policy, optimizer, batch, step, trainer, world)
+        steps.append((metrics["loss"], metrics["trained_tokens"]))
         if val and ((every and step % every == 0) or step == len(plan)):
             metrics["val_loss"] = eval_loss(policy, val, trainer, world)
             losses.append(metrics["val_loss"])
-            reason = stop_reason(losses, config.loop)
+        reason = stop_reason(losses, config.loop, steps)
         if progress is not None:
             progress.record(step, plan[step - 1].epoch, metrics, time.perf_counter() - started)
         last = step

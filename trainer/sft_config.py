@@ -126,6 +126,18 @@ class SFTLoopSection(BaseModel):
         "drills) gets the steps it needs, with epochs / max_steps as the cap. Needs "
         "data.val_path and val_every.",
     )
+    stop_at_train_loss: float | None = Field(
+        default=None,
+        gt=0,
+        description="Stop (checkpoint, export) at the first step where the training loss over "
+        "the last `train_loss_window` steps (token-weighted) is at or below this. Each batch is "
+        "scored before the model trains on it, so over data seen once (epochs: 1) it is a "
+        "held-out loss over far more examples than a val set holds, at no cost (a few hard "
+        "val examples can hold a mean of a small val set up: the DeepResearch drills).",
+    )
+    train_loss_window: int = Field(
+        default=50, ge=1, description="Steps the stop_at_train_loss mean runs over."
+    )
     stop_on_plateau: PlateauStop | None = Field(
         default=None,
         description="Stop (checkpoint, export) when the held-out loss, once at or below "

@@ -1,4 +1,5 @@
-"""When a supervised run stops before its planned steps: pure rules over the held-out losses.
+"""When a supervised run stops before its planned steps: pure rules over the recorded losses
+(held-out, and the training loss of each step).
 
 Every rank reaches the same answer from the same all-reduced losses, so they stop together; a
 resumed run feeds the losses recorded up to its checkpoint and, if the run had stopped there,
@@ -26,8 +27,30 @@ def plateaued(losses: Sequence[float], rule: PlateauStop) -> bool:
     return armed and since >= rule.patience
 
 
-def stop_reason(losses: Sequence[float], loop: SFTLoopSection) -> str | None:
-    """Why the run stops after the last of `losses`, or None to go on."""
+def windowed_loss(steps: Sequence[tuple[float, float]], window: int) -> float | None:
+    """The token-weighted mean of the last `window` steps' `(loss, trained tokens)`; None
+    before there are that many."""
+    if len(steps) < window:
+        return None
+    last = steps[-window:]
+    tokens = sum(t for _, t in last)
+    return sum(loss * t for loss, t in last) / tokens if tokens else None
+
+
+def stop_reason(
+    losses: Sequence[float],
+    loop: SFTLoopSection,
+    steps: Sequence[tuple[float, float]] = (),
+) -> str | None:
+    """Why the run stops after the last of `losses` (held-out) and `steps` (each step's
+    training loss and trained tokens), or None to go on."""
+    if loop.stop_at_train_loss is not None:
+        mean = windowed_loss(steps, loop.train_loss_window)
+        if mean is not None and mean <= loop.stop_at_train_loss:
+            return (
+                f"training loss over the last {loop.train_loss_window} steps {mean:.4f}, at or "
+                f"below {loop.stop_at_train_loss}"
+            )
     if not losses:
         return None
     if loop.stop_at_val_loss is not None and losses[-1] <= loop.stop_at_val_loss:
