@@ -50,11 +50,13 @@ def test_a_short_training_run_completes_syncs_and_leaves_no_process(
     assert all(r["batch/groups"] == 2 and r["batch/loss_tokens"] > 0 for r in records)
     assert all(r["staleness/max"] <= 1 for r in records)  # max_staleness = 1
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
-    # The toy config validates at the start: greedy rollouts of the held-out tasks, reported on
-    # the first record (the first sync waits for the round).
-    assert records[0]["val/version"] == 0 and records[0]["val/tasks"] == 16
-    assert 0.0 <= records[0]["val/reward_mean"] <= 1.0 and records[0]["val/failed"] == 0
-    assert all("val/version" not in r for r in records[1:])
+    # The toy config validates at the start: greedy rollouts of the held-out tasks, reported
+    # once, on the first record written after the round ends. With η = 1 step 1's record may be
+    # written while it still runs; the first sync waits for it, and step 2's record follows
+    # that sync (its version is at least 1), so the round is on record 1 or 2.
+    (val,) = [r for r in records if "val/version" in r]
+    assert val["step"] in (1, 2) and val["val/version"] == 0 and val["val/tasks"] == 16
+    assert 0.0 <= val["val/reward_mean"] <= 1.0 and val["val/failed"] == 0
     assert processes_with_marker(marker) == []
     # The dashboards got every record: TensorBoard event files and an offline W&B run.
     rewards = {r["step"]: r["reward/mean"] for r in records}
