@@ -112,17 +112,27 @@ def write_transcripts(path: Path, runs: list[OracleRun]) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """prepare.py's command line; its defaults are the recipe's (checked against its configs)."""
     parser = argparse.ArgumentParser(prog="python -m lockgate.examples.deepresearch.prepare")
     parser.add_argument("--out", type=Path, required=True, help="the recipe's data directory")
-    parser.add_argument("--sft-train", type=int, default=5000, help="training transcripts")
+    parser.add_argument("--sft-train", type=int, default=4000, help="training transcripts")
     parser.add_argument("--sft-val", type=int, default=200, help="validation transcripts")
-    parser.add_argument("--drills", type=int, default=9600, help="copy drill lines")
+    parser.add_argument(
+        "--drills",
+        type=int,
+        default=19_200,
+        help="copy drill lines (enough to see each once: drill_cpu.yaml)",
+    )
     parser.add_argument("--kb-seed", type=int, default=0, help="the knowledge base's seed")
     parser.add_argument(
         "--transcript-seed", type=int, default=0, help="picks the transcripts' fresh worlds"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     kb = build_cpu_kb(args.out / "kb", KBSpec(seed=args.kb_seed))
     model = ensure_model(kb)
     # Training and validation transcripts come from worlds of different seeds.
