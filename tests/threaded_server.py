@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import uvicorn
 from starlette.types import ASGIApp
 
+from lockgate.gateway.api.server import KEEP_ALIVE_S
+
 
 @contextmanager
 def serve_in_thread(app: ASGIApp, start_timeout_s: float = 60) -> Iterator[int]:
@@ -18,7 +20,11 @@ def serve_in_thread(app: ASGIApp, start_timeout_s: float = 60) -> Iterator[int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # The gateway's keep-alive, not uvicorn's 5 s: a test's pooled client idle near 5 s under
+    # the suite's load otherwise sends on a connection the server is closing (reset by peer).
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

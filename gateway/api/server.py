@@ -16,6 +16,10 @@ import uvicorn
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.config import GatewayConfig
 
+# Longer than clients keep idle connections (httpx 5 s, aiohttp 15 s): with uvicorn's 5 s
+# default an agent back from a 5 s tool could send on a connection being closed.
+KEEP_ALIVE_S = 75
+
 
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -53,10 +57,7 @@ def serve(
             port=port,
             log_level="warning",
             access_log=False,
-            # Longer than clients keep idle connections (httpx 5 s, aiohttp 15 s): with
-            # uvicorn's 5 s default an agent back from a 5 s tool could send on a connection
-            # being closed.
-            timeout_keep_alive=75,
+            timeout_keep_alive=KEEP_ALIVE_S,
             # Nothing reads the client address, and agents need neither header: each is Python
             # work on every request.
             proxy_headers=False,
