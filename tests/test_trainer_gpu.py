@@ -2,8 +2,8 @@
 snapshots exported from GPU memory; plus how the device is chosen, which runs everywhere.
 
 CI has no GPU, so the GPU tests are skipped there; the checkpoint-resume test in
-test_trainer_checkpoint.py has a CUDA case too. docs/design.md ("GPU") says how to run them,
-and that no GPU has been available to run them yet.
+test_trainer_checkpoint.py has a CUDA case too, test_sft.py one of `lockgate sft`. docs/design.md
+("GPU") says how to run them and when they last passed on a GPU.
 """
 
 from __future__ import annotations
