@@ -115,7 +115,10 @@ class _AnnouncingServer(uvicorn.Server):
 
 async def _serve(index: BM25Index, sock: socket.socket, args: argparse.Namespace) -> None:
     app = create_app(index, max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    # Longer than clients keep idle connections (httpx 5 s, RetrievalClient's default), as the
+    # gateway's server does: with uvicorn's 5 s an agent back from a 5 s turn of generation
+    # could send on a connection being closed, and its search would fail with a reset.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75)
     await _AnnouncingServer(config, _url(sock)).serve(sockets=[sock])
 
 
