@@ -4,14 +4,15 @@
     python -m lockgate.examples.deepresearch.evaluate compare before.json after.json
     python -m lockgate.examples.deepresearch.evaluate merge pooled.json a.json b.json
 
-`run` starts a retrieval service on the knowledge base, local vLLM replicas of the model and a
-lockgate gateway that honours each call's temperature, then runs the agent once per held-out
-question per temperature, plus two baselines on the same questions: the scripted oracle (search
-the entity, read, answer: the ceiling retrieval leaves) and the model with a search tool that
-finds nothing (what it answers from memory: near 0 on unseen entities). Success is exact match
-after SQuAD normalisation; F1 (the training reward) is reported beside it, and both are split
-by hops. `compare` prints the lines the CPU recipe ends with; `merge` pools two runs of one
-model (more episodes per question, a smaller sampling error).
+`run` starts a retrieval service on the knowledge base, local vLLM replicas of the model (or
+uses running ones: `--replica-urls`, `--expect-weight-version`) and a lockgate gateway that
+honours each call's temperature, then runs the agent once per held-out question per temperature,
+plus two baselines on the same questions: the scripted oracle (search the entity, read, answer:
+the ceiling retrieval leaves) and the model with a search tool that finds nothing (what it
+answers from memory: near 0 on unseen entities). Success is exact match after SQuAD
+normalisation; F1 (the training reward) is reported beside it, and both are split by hops.
+`compare` prints the lines the CPU recipe ends with; `merge` pools two runs of one model (more
+episodes per question, a smaller sampling error).
 """
 
 from __future__ import annotations
@@ -186,6 +187,9 @@ class Report(BaseModel):
     model: str
     questions: str
     elapsed_s: float
+    # The replicas' weight version when they were given running (--replica-urls): after the
+    # RL run, the version of its last step.
+    weights_version: int | None = None
     summaries: list[Summary]
     outcomes: dict[str, list[Outcome]]
 
@@ -263,8 +267,33 @@ async def evaluate(
     )
 
 
+def _replicas_version(urls: list[str], expected: int | None) -> int:
+    """The one weight version all `urls` hold; exits with a one-line message otherwise."""
+    from lockgate.examples.deepresearch.serving import weights_versions
+
+    try:
+        versions = set(weights_versions(urls))
+    except RuntimeError as exc:
+        sys.exit(f"evaluate: {exc}")
+    if len(versions) != 1:
+        sys.exit(f"evaluate: the replicas hold different weight versions {sorted(versions)}")
+    (version,) = versions
+    if expected is not None and version != expected:
+        sys.exit(
+            f"evaluate: the replicas hold weight version {version}, not {expected} "
+            "(--expect-weight-version)"
+        )
+    return version
+
+
 def _run(args: argparse.Namespace) -> int:
     from lockgate.examples.deepresearch.serving import serve_model
+
+    version = None
+    if args.replica_urls:
+        version = _replicas_version(args.replica_urls, args.expect_weight_version)
+    elif args.expect_weight_version is not None:
+        sys.exit("evaluate: --expect-weight-version needs --replica-urls")
 
     # A knowledge base already there is used as it is; the default one is built when missing.
     kb = args.kb_dir if (args.kb_dir / MANIFEST).is_file() else build_cpu_kb(args.kb_dir)
@@ -279,10 +308,13 @@ def _run(args: argparse.Namespace) -> int:
         args.work_dir,
         replicas=args.replicas,
         retrieval_url=args.retrieval_url,
+        replica_urls=args.replica_urls or (),
+        weights_version=version or 0,
     ) as served:
         report = asyncio.run(
             evaluate(args, served.gateway_url, served.admin_token, served.retrieval_url)
         )
+    report.weights_version = version
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report.model_dump_json(indent=1))
     for s in report.summaries:
@@ -376,7 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--oracle", action="store_true", help="also run the scripted oracle")
     run.add_argument("--no-search", action="store_true", help="also run the no-search baseline")
     run.add_argument("--agent", default="{}", help="AgentConfig fields as JSON")
-    run.add_argument("--replicas", type=int, default=2)
+    run.add_argument("--replicas", type=int, default=2, help="local replicas to start")
+    run.add_argument(
+        "--replica-urls",
+        nargs="+",
+        metavar="URL",
+        help="use these running lockgate replicas (`lockgate replicas`) instead of starting any: "
+        "they hold --model's weights or those a training run synced into them",
+    )
+    run.add_argument(
+        "--expect-weight-version",
+        type=int,
+        metavar="N",
+        help="with --replica-urls: fail unless they hold weight version N (a run's last step)",
+    )
     run.add_argument("--concurrency", type=int, default=32)
     run.add_argument("--retrieval-url", help="use this running retrieval service")
     run.add_argument("--work-dir", type=Path, help="logs and store (default: beside --out)")

@@ -7,6 +7,9 @@
 #   3. held-out evaluation of the SFT model, with the oracle and no-search baselines;
 #   4. fully-async GRPO through the gateway with `lockgate train` (greedy validation every 8 steps);
 #   5. held-out evaluation of the RL model, the report's plots, and the before -> after lines.
+# Steps 3-5 share one pair of vLLM replicas (`lockgate replicas`, started on the SFT model): RL
+# syncs its weights into them, and step 5 evaluates the weights of RL's last step there. Each
+# replica start costs ~40 s of the 2 cores.
 # SEED=1 ./examples/deepresearch/run_cpu.sh runs another seed (SFT and RL); extra arguments go
 # to `lockgate train` (e.g. --set loop.steps=5).
 set -euo pipefail
@@ -36,23 +39,38 @@ sft sft_cpu.yaml sft "$(pwd)/$RUN/drill/final" sft
 SFT_MODEL="$RUN/sft/final"
 
 say "3/5 held-out evaluation of the SFT model (T=1, greedy, oracle, no search)"
+mkdir -p "$RUN/replicas"
+$LG replicas --set "model.path=$(pwd)/$SFT_MODEL" --set replicas.count=2 \
+  --set replicas.max_model_len=2048 --run-dir "$RUN/replicas" >"$RUN/replicas/urls" &
+replicas_pid=$!
+trap 'kill $replicas_pid 2>/dev/null; wait $replicas_pid 2>/dev/null || true' EXIT
+until [ "$(grep -c '^replica_url=' "$RUN/replicas/urls")" = 2 ]; do
+  kill -0 $replicas_pid 2>/dev/null || { say "the replicas did not start"; exit 1; }
+  sleep 1
+done
+mapfile -t REPLICAS < <(sed -n 's/^replica_url=//p' "$RUN/replicas/urls")
 # Eight episodes per question at T=1 (one greedy): two evaluations of one model with four
 # each differed by up to 3.8 points, as much as the change to be measured (EXPERIMENTS.md).
 # 96 episodes in flight: one model's evaluation took 181 and 154 s against 247 and 189 s at 32,
 # alternated on one day.
-EVAL=(--kb-dir "$kb" --samples 8 --concurrency 96)
+EVAL=(--kb-dir "$kb" --samples 8 --concurrency 96 --replica-urls "${REPLICAS[@]}")
 $PY -m $MOD.evaluate run --model "$SFT_MODEL" "${EVAL[@]}" --out "$RUN/eval_sft.json" \
   --oracle --no-search
 
 say "4/5 fully-async GRPO (lockgate train) -> $RUN/rl"
+# The replicas are given, not started by the run, so say that they are local and share the 2
+# cores with the trainer, which gets the CPU first (coordinator/cpu_priority.py).
+urls=$(IFS=,; echo "${REPLICAS[*]}")
 $LG train examples/deepresearch/configs/rl_cpu.yaml --run-dir "$RUN/rl" --set "seed=$SEED" \
-  --set "model.path=$(pwd)/$SFT_MODEL" --set "environment.args.kb_dir=$(pwd)/$kb" "$@"
+  --set "model.path=$(pwd)/$SFT_MODEL" --set "environment.args.kb_dir=$(pwd)/$kb" \
+  --set "replicas.urls=[$urls]" --set trainer_first=true "$@"
 
 say "5/5 held-out evaluation of the RL model"
 last=$(ls -d "$RUN"/rl/trainer/weights/step_* | sort -t_ -k2 -n | tail -1)
 rm -rf "$RUN/rl_final"
 $LG export-hf "$last" "$RUN/rl_final" >/dev/null
-$PY -m $MOD.evaluate run --model "$RUN/rl_final" "${EVAL[@]}" --out "$RUN/eval_rl.json"
+$PY -m $MOD.evaluate run --model "$RUN/rl_final" "${EVAL[@]}" --out "$RUN/eval_rl.json" \
+  --expect-weight-version "${last##*_}"
 $LG report "$RUN/rl" >/dev/null
 say "done in $(( ($(date +%s) - started) / 60 )) min; plots in $RUN/rl/report/"
 $PY -m $MOD.evaluate compare "$RUN/eval_sft.json" "$RUN/eval_rl.json"

@@ -1,17 +1,21 @@
 """The processes an evaluation needs, started together and stopped in reverse order.
 
-A retrieval service (or one already running, by URL), local vLLM replicas of the model and a
-lockgate gateway in front of them that honours each call's sampling values (an evaluation asks
-for temperature 1 and for greedy). The same parts `lockgate train` starts, minus the trainer.
+A retrieval service (or one already running, by URL), local vLLM replicas of the model (or
+replicas already running, by URL: the CPU recipe keeps one pair for both evaluations and the RL
+run between them) and a lockgate gateway in front of them that honours each call's sampling
+values (an evaluation asks for temperature 1 and for greedy). The same parts `lockgate train`
+starts, minus the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
@@ -45,8 +49,14 @@ def serve_model(
     replicas: int = 2,
     max_model_len: int = 2048,
     retrieval_url: str | None = None,
+    replica_urls: Sequence[str] = (),
+    weights_version: int = 0,
 ) -> Iterator[Served]:
-    """Retrieval, replicas and a gateway for `model_dir`; logs and the store in `work_dir`."""
+    """Retrieval, replicas and a gateway for `model_dir`; logs and the store in `work_dir`.
+
+    With `replica_urls` no replica is started: those serve, holding the weights of
+    `weights_version` (the gateway labels its records with it; `model_dir` gives the tokenizer
+    and chat template)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     logs = work_dir / "logs"
     with contextlib.ExitStack() as stack:
@@ -55,25 +65,47 @@ def serve_model(
         else:
             service = start_retrieval(corpus, logs)
         stack.callback(service.stop)
-        replica_set = LocalReplicaSet(
-            ReplicaLaunchConfig(
-                model_dir=model_dir, count=replicas, max_model_len=max_model_len, log_dir=logs
+        urls = list(replica_urls)
+        if not urls:
+            replica_set = LocalReplicaSet(
+                ReplicaLaunchConfig(
+                    model_dir=model_dir, count=replicas, max_model_len=max_model_len, log_dir=logs
+                )
             )
-        )
-        stack.callback(replica_set.stop)
-        replica_set.start()
+            stack.callback(replica_set.stop)
+            replica_set.start()
+            urls = replica_set.urls
         token = secrets.token_urlsafe(24)
         gateway = GatewayProcess(
             GatewayConfig(
                 model_dir=model_dir,
-                replicas=replica_set.urls,
+                replicas=urls,
                 db_path=work_dir / "trajectories.sqlite",
                 admin_token=token,
                 max_model_len=max_model_len,
                 sampling=SamplingPolicy(mode="honor"),
+                initial_version=weights_version,
             ),
             work_dir,
         )
         stack.callback(gateway.stop)
         gateway.start()
         yield Served(gateway.url, token, service.url)
+
+
+def weights_versions(replica_urls: Sequence[str]) -> list[int]:
+    """The weight version each running lockgate replica is labelled with: 0 as started, then
+    the version of each weight load a training run's sync made (the label a gateway gives)."""
+    versions = []
+    for url in replica_urls:
+        try:
+            info = httpx.get(f"{url.rstrip('/')}/weight_info", timeout=10.0)
+            info.raise_for_status()
+            label = info.json().get("weight_version")
+            versions.append(int(label))
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+            raise RuntimeError(
+                f"replica {url}: no weight version label ({type(exc).__name__}: {exc}); "
+                "is it a lockgate replica (lockgate replicas)?"
+            ) from None
+    return versions
