@@ -27,6 +27,7 @@ from marked_processes import processes_with_marker
 
 from lockgate.examples.deepresearch.data import KBSpec, build_cpu_kb
 from lockgate.examples.deepresearch.prepare import fresh_transcripts, write_transcripts
+from lockgate.examples.deepresearch.serving import weights_versions
 from lockgate.examples.deepresearch.world import WorldSizes
 
 pytestmark = pytest.mark.vllm
@@ -127,6 +128,7 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
     # RL on a replica it is given, then the evaluation of what RL left in it.
     run_dir = tmp_path / "rl"
     with _replica(sft_model, tmp_path / "replica", env) as url:
+        assert weights_versions([url]) == [0]  # vLLM's label until a gateway sets one
         result = _lockgate(
             "train", str(CONFIGS / "rl_cpu.yaml"), "--run-dir", str(run_dir),
             "--set", f"model.path={sft_model}", "--set", f"environment.args.kb_dir={kb}",

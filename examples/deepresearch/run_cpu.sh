@@ -51,9 +51,9 @@ done
 mapfile -t REPLICAS < <(sed -n 's/^replica_url=//p' "$RUN/replicas/urls")
 # Eight episodes per question at T=1 (one greedy): two evaluations of one model with four
 # each differed by up to 3.8 points, as much as the change to be measured (EXPERIMENTS.md).
-# 96 episodes in flight: one model's evaluation took 181 and 154 s against 247 and 189 s at 32,
-# alternated on one day.
-EVAL=(--kb-dir "$kb" --samples 8 --concurrency 96 --replica-urls "${REPLICAS[@]}")
+# 160 episodes in flight: the 1,600 T=1 episodes of one model took 96 s against 106 s at 96 (on
+# running replicas; at 96, 181 and 154 s with the start against 247 and 189 s at 32).
+EVAL=(--kb-dir "$kb" --samples 8 --concurrency 160 --replica-urls "${REPLICAS[@]}")
 $PY -m $MOD.evaluate run --model "$SFT_MODEL" "${EVAL[@]}" --out "$RUN/eval_sft.json" \
   --oracle --no-search
 

@@ -93,16 +93,21 @@ def serve_model(
         yield Served(gateway.url, token, service.url)
 
 
+# The label vLLM's engine starts with (v1/engine/core.py): the weights it was started from.
+_STARTED_LABEL = "default"
+
+
 def weights_versions(replica_urls: Sequence[str]) -> list[int]:
-    """The weight version each running lockgate replica is labelled with: 0 as started, then
-    the version of each weight load a training run's sync made (the label a gateway gives)."""
+    """The weight version each running lockgate replica holds: 0 as started (or as labelled by
+    a gateway in front of it since), then the version of each weight load a training run's sync
+    made."""
     versions = []
     for url in replica_urls:
         try:
             info = httpx.get(f"{url.rstrip('/')}/weight_info", timeout=10.0)
             info.raise_for_status()
             label = info.json().get("weight_version")
-            versions.append(int(label))
+            versions.append(0 if label == _STARTED_LABEL else int(label))
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
             raise RuntimeError(
                 f"replica {url}: no weight version label ({type(exc).__name__}: {exc}); "
