@@ -203,6 +203,15 @@ class LoopSection(BaseModel):
     drop_zero_variance: bool = Field(
         default=False, description="Drop groups whose rewards are all equal (they carry no signal)."
     )
+    screen_size: int = Field(
+        default=0,
+        ge=0,
+        description="Pass@k screening (0: off): run this many of a task's group_size rollouts "
+        "first; when none scores above 0 the group is dropped (groups_dropped/screened_out) and "
+        "the rest are never generated, else they run and the group trains whole. Spares the "
+        "generation of tasks the policy cannot solve yet, most of what drop_zero_variance drops "
+        "on a weak policy.",
+    )
     advantage_estimator: AdvantageEstimator = Field(
         default="grpo",
         description="grpo (group mean/std), grpo_no_std, rloo (leave-one-out baseline) or "
@@ -229,6 +238,15 @@ class LoopSection(BaseModel):
     @property
     def off_policy_bound(self) -> int:
         return self.max_staleness if self.max_off_policy is None else self.max_off_policy
+
+    @model_validator(mode="after")
+    def _screen_smaller_than_group(self) -> LoopSection:
+        if self.screen_size and self.screen_size >= self.group_size:
+            raise ValueError(
+                f"screen_size={self.screen_size} must be below group_size={self.group_size} "
+                "(0 turns screening off)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _bounds_leave_room_between_syncs(self) -> LoopSection:

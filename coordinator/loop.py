@@ -4,7 +4,9 @@ Three supervised coroutines share one TaskGroup, so any failure stops the run wi
 traceback instead of being lost in a done-callback:
 
 - the dispatcher starts a group whenever the staleness controller allows it;
-- each group runs n rollouts through agent_runtime, fetches their samples and queues the group;
+- each group runs n rollouts through agent_runtime, fetches their samples and queues the group
+  (with `screen_size` k, k rollouts first: a group none of whose k scores above 0 is dropped
+  there, the other n - k never generated);
 - the trainer side takes B groups per step (dropping rollouts past the max-off-policy bound),
   trains, and after every `sync_every` steps pauses the gateway, loads the new weights on every
   replica and resumes at the new version. With η >= 1 (and `sync.overlap`) that sync runs
@@ -226,18 +228,36 @@ class TrainingLoop:
 
     async def _run_group(self, serial: int, task: Task, dispatch_version: int) -> None:
         group_id = f"g{serial}-{task.id}"
-        results = await run_group(
-            self.gateway,
-            self.env.agent,
-            task,
-            self.config.group_size,
-            group_id=group_id,
-            reward_fn=self.env.reward,
-            timeout_s=self.config.rollout_timeout_s,
-            metadata={"dispatch_version": dispatch_version, "serial": serial},
+        metadata = {"dispatch_version": dispatch_version, "serial": serial}
+
+        async def rollouts(n: int) -> list[RolloutResult]:
+            return await run_group(
+                self.gateway,
+                self.env.agent,
+                task,
+                n,
+                group_id=group_id,
+                reward_fn=self.env.reward,
+                timeout_s=self.config.rollout_timeout_s,
+                metadata=metadata,
+            )
+
+        screen, size = self.config.screen_size, self.config.group_size
+        group = await self._collect(
+            task, group_id, dispatch_version, await rollouts(screen or size)
         )
-        group = await self._collect(task, group_id, dispatch_version, results)
         group.serial = serial
+        if screen:
+            if not any(r > 0 for r in group.rewards):
+                self._counters["groups_dropped/screened_out"] += 1
+                await self._release(serial)
+                return
+            rest = await self._collect(
+                task, group_id, dispatch_version, await rollouts(size - screen)
+            )
+            group.rollouts += rest.rollouts
+            for why, count in rest.failures.items():
+                group.failures[why] = group.failures.get(why, 0) + count
         reason = drop_reason(
             group,
             min_group_size=self.config.min_group_size,

@@ -9,9 +9,13 @@ import io
 import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
+from pydantic import ValidationError
 
 from lockgate.agent_runtime import RolloutContext, RolloutResult, Task
 from lockgate.coordinator.config import LoopSection, SyncSection
@@ -51,11 +55,13 @@ class FakeGateway:
         self._ids = itertools.count()
         self._sessions: dict[str, tuple[str, float | None]] = {}
         self._token_version: dict[str, int] = {}
+        self.group_sessions: Counter[str] = Counter()
 
     async def create_session(
         self, task_id: str, group_id: str | None = None, metadata: dict[str, Any] | None = None
     ) -> CreatedSession:
         sid = f"s{next(self._ids)}"
+        self.group_sessions[group_id or ""] += 1
         self._sessions[sid] = (task_id, None)
         return CreatedSession(session_id=sid, api_key="k", base_url="/x")
 
@@ -142,6 +148,9 @@ class FakeEnv:
         self.rng = random.Random(seed)
         self.tasks = [Task(id=f"t{i}") for i in range(5)]
 
+    def score(self, task: Task) -> float:
+        return self.rng.random()
+
     def train_tasks(self) -> Sequence[Task]:
         return self.tasks
 
@@ -151,13 +160,21 @@ class FakeEnv:
             self.gateway.sample_now(ctx.session_id)
             # Long-tailed delays: groups finish far out of dispatch order.
             await asyncio.sleep(0.002 * self.rng.lognormvariate(0, 1.2))
-            return self.rng.random()
+            return self.score(task)
 
         return act
 
     @property
     def reward(self) -> None:
         return None
+
+
+class PassFailEnv(FakeEnv):
+    """Tasks t0 and t1 always fail (reward 0), t2 always passes, t3 and t4 pass half the time."""
+
+    def score(self, task: Task) -> float:
+        chance = {"t0": 0.0, "t1": 0.0, "t2": 1.0}.get(task.id, 0.5)
+        return float(self.rng.random() < chance)
 
 
 def _loop(
@@ -167,12 +184,14 @@ def _loop(
     resume: LoopState | None = None,
     seed: int = 0,
     sync: SyncSection | None = None,
+    config: LoopSection | None = None,
+    env: type[FakeEnv] = FakeEnv,
 ):  # type: ignore[no-untyped-def]
     gateway = FakeGateway()
-    config = LoopSection(steps=steps, groups_per_step=3, group_size=2, max_staleness=eta)
+    config = config or LoopSection(steps=steps, groups_per_step=3, group_size=2, max_staleness=eta)
     metrics = MetricsLog(tmp_path / "metrics.jsonl", steps, stream=io.StringIO())
     loop = TrainingLoop(
-        config, FakeEnv(gateway, seed), gateway, FakeTrainer(tmp_path / "metrics.jsonl"),
+        config, env(gateway, seed), gateway, FakeTrainer(tmp_path / "metrics.jsonl"),
         metrics,  # type: ignore[arg-type]
         state_path=tmp_path / STATE_FILE, resume=resume, sync=sync,
     )  # fmt: skip
@@ -206,6 +225,48 @@ def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_pat
     # Every serial below the cursor is trained, dropped or still pending: none skipped.
     last = states[-1]
     assert sorted([*trained, *dropped, *last.pending]) == list(range(last.next_serial))
+
+
+def test_screening_drops_a_group_none_of_whose_first_k_pass_before_generating_the_rest(
+    tmp_path: Path,
+) -> None:
+    config = LoopSection(
+        steps=6, groups_per_step=3, group_size=4, screen_size=2, max_staleness=1,
+        drop_zero_variance=True,
+    )  # fmt: skip
+    loop, gateway = _loop(tmp_path, steps=6, eta=1, seed=3, config=config, env=PassFailEnv)
+    asyncio.run(loop.run())
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    states = _states(tmp_path)
+    trained = {serial for s in states for serial in s.trained}
+    dropped = {serial for s in states for serial in s.dropped}
+    assert sorted([*trained, *dropped, *states[-1].pending]) == list(range(states[-1].next_serial))
+    # Sessions per group id (g<serial>-<task>) of the groups that ended before the last record;
+    # those still running when the run ended may have stopped anywhere.
+    ended: dict[str, list[int]] = {}
+    trained_tasks = set()
+    for group_id, sessions in gateway.group_sessions.items():
+        serial, task = group_id[1:].split("-", 1)
+        if int(serial) in trained | dropped:
+            ended.setdefault(task, []).append(sessions)
+        if int(serial) in trained:
+            trained_tasks.add(task)
+    # Hopeless tasks stop at the screen; t2 passes it and runs whole (then has no variance).
+    assert set(ended["t0"]) == {2} and set(ended["t1"]) == {2} and set(ended["t2"]) == {4}
+    # A half-chance task is screened out when both its first two fail, else it runs whole.
+    assert set(ended["t3"] + ended["t4"]) == {2, 4}
+    # The last record also counts groups screened out after the last state was saved; none
+    # that did not stop at two.
+    stopped = sum(n == 2 for sizes in ended.values() for n in sizes)
+    at_two = sum(n == 2 for n in gateway.group_sessions.values())
+    assert 0 < stopped <= last["count/groups_dropped/screened_out"] <= at_two
+    assert last["batch/groups"] == 3
+    assert trained_tasks <= {"t3", "t4"}  # t0-t2 never vary
+
+
+def test_a_screen_as_large_as_the_group_is_refused() -> None:
+    with pytest.raises(ValidationError, match="screen_size=4 must be below group_size=4"):
+        LoopSection(group_size=4, screen_size=4)
 
 
 def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_path: Path) -> None:
