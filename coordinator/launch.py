@@ -440,9 +440,11 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
                 [g for g in (gateway, val_gateway) if g is not None],
             )
         )
-        _say(
-            "run finished; stopping the trainer (the external gateway and its replicas go on)"
-            if external is not None
-            else "run finished; stopping trainer, gateway and replicas"
-        )
+        if external is not None:
+            done = "stopping the trainer (the external gateway and its replicas go on)"
+        elif config.replicas.urls:
+            done = "stopping trainer and gateway (the replicas it was given go on)"
+        else:
+            done = "stopping trainer, gateway and replicas"
+        _say(f"run finished; {done}")
     return summary
