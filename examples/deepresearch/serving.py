@@ -9,6 +9,7 @@ starts, minus the trainer.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ from lockgate.coordinator.gateway_process import GatewayProcess
 from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.examples.deepresearch.retrieval.launcher import RetrievalService
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
+from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
 
 
 def start_retrieval(corpus: Path, log_dir: Path) -> RetrievalService:
@@ -101,16 +103,22 @@ def weights_versions(replica_urls: Sequence[str]) -> list[int]:
     """The weight version each running lockgate replica holds: 0 as started (or as labelled by
     a gateway in front of it since), then the version of each weight load a training run's sync
     made."""
+
+    async def labels() -> list[str | None]:
+        async with httpx.AsyncClient() as http:
+            clients = [ReplicaClient(url, http) for url in replica_urls]
+            return await asyncio.gather(*(c.version_label() for c in clients))
+
+    try:
+        found = asyncio.run(labels())
+    except (ReplicaUnavailable, ValueError) as exc:  # down, or not answering in JSON
+        raise RuntimeError(f"{exc}; is it a lockgate replica (lockgate replicas)?") from None
     versions = []
-    for url in replica_urls:
+    for url, label in zip(replica_urls, found, strict=True):
         try:
-            info = httpx.get(f"{url.rstrip('/')}/weight_info", timeout=10.0)
-            info.raise_for_status()
-            label = info.json().get("weight_version")
-            versions.append(0 if label == _STARTED_LABEL else int(label))
-        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+            versions.append(0 if label == _STARTED_LABEL else int(label or ""))
+        except ValueError:
             raise RuntimeError(
-                f"replica {url}: no weight version label ({type(exc).__name__}: {exc}); "
-                "is it a lockgate replica (lockgate replicas)?"
+                f"replica {url}: weight version label {label!r} is not a version"
             ) from None
     return versions
