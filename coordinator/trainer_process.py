@@ -53,7 +53,9 @@ def thread_env(num_threads: int, *, alone: bool = False) -> dict[str, str]:
     copy-drill steps not done in 240 s against 1,570 tokens/s; 1,248 tokens/s sleeping). Alone
     (`lockgate sft`) they spin: sleeping ones cost the CPU recipe's 2-thread SFT 13% (2,915
     tokens/s against 3,357 over 35 steps, the same losses), a thread woken for each of the
-    small model's many short operations."""
+    small model's many short operations. libgomp spins only while it manages no more threads
+    than there are cores, so nothing else in a rank may run OpenMP on a thread of its own
+    (trainer/checkpoint.py)."""
     return {
         "OMP_NUM_THREADS": str(num_threads),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "ACTIVE" if alone else "PASSIVE"),

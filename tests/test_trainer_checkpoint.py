@@ -20,9 +20,12 @@ from lockgate.trainer.checkpoint import (
     clear_checkpoints,
     latest_checkpoint,
     list_checkpoints,
+    load_checkpoint,
     prune_checkpoints,
+    save_checkpoint,
 )
 from lockgate.trainer.config import Device, TrainerConfig
+from lockgate.trainer.parallel import Distributed
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
@@ -61,6 +64,46 @@ def test_ready_file_round_trip_and_malformed() -> None:
 
 
 # -- the real thing ----------------------------------------------------------------------------
+
+
+def test_one_rank_saves_and_loads_without_object_collectives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's object collectives run gloo copies on a thread of their own, which throttled a
+    2-thread `lockgate sft` for the rest of its run (checkpoint.py): one rank must not call them,
+    and still write a checkpoint it loads back."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        world = Distributed(0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+
+        def refused(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a one-rank checkpoint ran an object collective")
+
+        for name in (
+            "all_gather_object",
+            "gather_object",
+            "broadcast_object_list",
+            "scatter_object_list",
+        ):
+            monkeypatch.setattr(dist, name, refused)
+        path = save_checkpoint(tmp_path / "ckpt", 3, model, optimizer, world, keep=2)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+        assert load_checkpoint(path, model, optimizer, world) == 3
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    finally:
+        dist.destroy_process_group()
 
 
 def _weights(path: Path | str) -> dict[str, torch.Tensor]:

@@ -92,10 +92,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _alone(world: Distributed) -> bool:
     """One rank saves and loads without DCP's collectives. Through gloo they gather the pickled
-    plans, and gloo copies tensors that large on a thread of its own, which OpenMP then counts as
-    a third busy thread on 2 cores: from then on its spinning threads wait passively, and the
-    recipe's `lockgate sft` lost a third of its speed at its first checkpoint (5,000 -> 3,300
-    tokens/s) for the rest of the run."""
+    plans, and gloo copies tensors that large on a thread of its own with an OpenMP team of its
+    own: libgomp then manages more threads than there are cores and stops the trainer's idle
+    threads spinning for the rest of the process. The recipe's 2-thread `lockgate sft` lost a
+    third of its speed at its first checkpoint that way (5,000 -> 3,300 tokens/s)."""
     return world.world_size == 1
 
 
