@@ -18,6 +18,9 @@ import os
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +102,14 @@ def _alone(world: Distributed) -> bool:
     return world.world_size == 1
 
 
+@contextmanager
+def _quiet_alone() -> Iterator[None]:
+    """DCP warns at every one-rank save and load that it assumes a single process: intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -116,11 +127,12 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save(
-        {"model": model_state, "optimizer": optim_state},
-        checkpoint_id=tmp,
-        no_dist=_alone(world),
-    )
+    with _quiet_alone():
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state},
+            checkpoint_id=tmp,
+            no_dist=_alone(world),
+        )
     torch.save(_rng_state(), tmp / f"rng_rank{world.rank}.pt")
     dist.barrier()
     if world.is_main:
@@ -141,7 +153,8 @@ def load_checkpoint(
     meta = json.loads((path / _META).read_text())
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=path, no_dist=_alone(world))
+    with _quiet_alone():
+        dcp.load(state, checkpoint_id=path, no_dist=_alone(world))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
