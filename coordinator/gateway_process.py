@@ -41,6 +41,7 @@ class GatewayProcess:
         self.url = f"http://{client_host(host)}:{self.port}"
         self.log_path = run_dir / "logs" / f"{name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._launched_at = 0.0
 
     @property
     def process(self) -> subprocess.Popen[bytes] | None:
@@ -52,6 +53,12 @@ class GatewayProcess:
         return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout_s: float = 60.0) -> None:
+        """Launch the gateway and wait until it serves."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the gateway's process without waiting for it (`wait_ready` does)."""
         config_path = self.run_dir / f"{self.name}_config.json"
         # The token goes through the child's environment: run dirs get copied and shared.
         config_path.write_text(self.config.model_dump_json(indent=2, exclude={"admin_token"}))
@@ -70,11 +77,18 @@ class GatewayProcess:
             self.log_path,
             env={**os.environ, ADMIN_TOKEN_ENV: self.config.admin_token},
         )
-        deadline = time.monotonic() + timeout_s
+        self._launched_at = time.monotonic()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until the launched gateway serves, within `timeout_s` of its launch."""
+        proc = self._proc
+        if proc is None:
+            raise GatewayStartError(f"the {self.name} was not launched")
+        deadline = self._launched_at + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 raise GatewayStartError(
-                    f"the gateway exited with code {self._proc.returncode}:\n{log_tail(self.log_path)}"
+                    f"the gateway exited with code {proc.returncode}:\n{log_tail(self.log_path)}"
                 )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:

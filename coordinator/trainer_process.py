@@ -83,8 +83,16 @@ class TrainerProcess:
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready_by = 0.0
 
     def start(self) -> None:
+        """Launch the ranks and wait until they are ready for a step."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Launch the ranks without waiting for them (`wait_ready` does): a run starts its
+        gateways meanwhile."""
         # A fresh protocol state: stale batches or a STOP from an earlier run would confuse ranks.
         for name in ("batches", "results"):
             shutil.rmtree(self.run_dir / name, ignore_errors=True)
@@ -94,10 +102,13 @@ class TrainerProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
         self._launch()
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._ready_by = time.monotonic() + self.startup_timeout_s
+
+    def wait_ready(self) -> None:
+        """Wait until the launched ranks are ready, within `startup_timeout_s` of the launch."""
         while not (self.run_dir / protocol.READY).exists():
             self._check_alive()
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._ready_by:
                 self.stop()
                 raise TrainerError(
                     f"trainer not ready after {self.startup_timeout_s:.0f}s:\n{log_tail(self.log_path)}"
@@ -186,4 +197,7 @@ class TrainerProcess:
         if not self._started():
             return
         protocol.write_atomic(self.run_dir / protocol.STOP, "")
-        self._shutdown(grace_s)
+        # Ranks still loading read STOP only once ready; they have no step to finish and no
+        # checkpoint to write (a run whose gateway failed to start, or stopped at once).
+        ready = (self.run_dir / protocol.READY).exists()
+        self._shutdown(grace_s if ready else 0.0)
