@@ -27,7 +27,7 @@ ENV PATH=/app/.venv/bin:$PATH \
     LOCKGATE_CACHE=/opt/lockgate/cache \
     HF_HUB_OFFLINE=1
 # The tiny offline model the toy example trains, built once, into the image.
-RUN python -m lockgate.trainer.tiny_model && chmod -R a+rX /opt/lockgate
+RUN python -m lockgate.trainer.tiny_models.builder && chmod -R a+rX /opt/lockgate
 
 # The mount points of the compose file's volumes, owned by the user (a new named volume takes
 # the ownership of the directory it is mounted on).

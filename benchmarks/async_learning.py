@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from lockgate.coordinator.config import load_config
-from lockgate.coordinator.launch import train
-from lockgate.coordinator.metrics import read_metrics
-from lockgate.coordinator.report import write_report
+from lockgate.coordinator.launch.local import train
+from lockgate.coordinator.metrics.log import read_metrics
+from lockgate.coordinator.metrics.report import write_report
 
 TOY = Path(__file__).resolve().parent.parent / "examples" / "toy" / "config.yaml"
 

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from lockgate.coordinator.config import RunConfig
-from lockgate.coordinator.launch import train
-from lockgate.coordinator.metrics import read_metrics
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
-from lockgate.coordinator.report import step_series, summarize
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.coordinator.launch.local import train
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.metrics.log import read_metrics
+from lockgate.coordinator.metrics.report import step_series, summarize
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 ENV = Path(__file__).resolve().parent / "tool_delay_env.py"
 

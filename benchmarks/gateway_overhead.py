@@ -45,11 +45,11 @@ import orjson
 import uvloop
 
 from benchmarks.loadgen import LoadResult, http_request, percentile, run_load
-from lockgate.coordinator.processes import free_port, spawn, terminate
+from lockgate.coordinator.launch.processes import free_port, spawn, terminate
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.schema import ChatMessage
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 ADMIN = "bench-admin-token"
 HOST = "127.0.0.1"

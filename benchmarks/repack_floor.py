@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.weight_sync import BIG_MODEL_DIR as BIG
 from benchmarks.weight_sync import memcpy_gbps
-from lockgate.coordinator.replica_launcher import KEEP_FREED_MEMORY
+from lockgate.coordinator.launch.replicas import KEEP_FREED_MEMORY
 from lockgate.gateway.vllm_ext.snapshot_file import Snapshot, StoredTensor, open_snapshot
 from lockgate.trainer.export import write_snapshot
 from lockgate.trainer.protocol import ExportLayout

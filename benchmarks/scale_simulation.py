@@ -65,10 +65,10 @@ from benchmarks.sim_replicas import (
     SimReplica,
     start_replicas,
 )
-from lockgate.coordinator.processes import free_port, spawn, terminate
+from lockgate.coordinator.launch.processes import free_port, spawn, terminate
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 ADMIN = "sim-admin-token"
 HOST = "127.0.0.1"

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import psutil
 
-from lockgate.coordinator.gateway_process import GatewayProcess
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.gateway import GatewayProcess
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.config import GatewayConfig, RequestLimits, SamplingPolicy
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 ADMIN = "admin-token-for-the-sessions-load"
 

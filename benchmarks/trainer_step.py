@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.launch.trainer import TrainerProcess
 from lockgate.trainer.batch import TrainBatch, TrainSample
 from lockgate.trainer.config import TrainerConfig
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 # The published architectures of Qwen3-0.6B and Qwen3-1.7B (config.json of each), with their
 # real 151,936-token vocabulary: the logits over it are a large share of a step's memory.

@@ -44,12 +44,12 @@ from typing import Any
 import httpx
 import torch
 
-from lockgate.coordinator.gateway_process import GatewayProcess
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.gateway import GatewayProcess
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.schema import PauseReport
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 ADMIN = "weight-sync-benchmark-token"
 RESULTS = Path(__file__).parent / "results"

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lockgate.coordinator.advantages import AdvantageEstimator
+from lockgate.coordinator.loop.advantages import AdvantageEstimator
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
 from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
@@ -222,7 +222,7 @@ class LoopSection(BaseModel):
         ge=0.0,
         le=1.0,
         description="Scales the advantages below zero: 1 is the estimator as it is, 0 trains on "
-        "the rollouts better than their group only (coordinator/advantages.py).",
+        "the rollouts better than their group only (coordinator/loop/advantages.py).",
     )
     rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
     val_every: int = Field(
@@ -416,7 +416,7 @@ class RunConfig(BaseModel):
         default=None,
         description="Give the trainer's ranks the CPU before the rest of the run on this "
         "machine: this process's session (loop, gateways, environment, local replicas) is "
-        "scheduled at autogroup nice 10 while the run lasts (coordinator/cpu_priority.py). "
+        "scheduled at autogroup nice 10 while the run lasts (coordinator/launch/cpu_priority.py). "
         "Unset: when local replicas of the CPU build of vLLM share the cores with a local "
         "trainer.",
     )

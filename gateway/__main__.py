@@ -1,6 +1,6 @@
 """Run the gateway as its own process: `python -m lockgate.gateway --config gateway.json`.
 
-`lockgate gateway` does the same from the run config's sections (coordinator/deploy_commands.py).
+`lockgate gateway` does the same from the run config's sections (coordinator/cli/deploy.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 
 @pytest.fixture(scope="session")

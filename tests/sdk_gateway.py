@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from lockgate.coordinator.gateway_process import GatewayProcess
+from lockgate.coordinator.launch.gateway import GatewayProcess
 from lockgate.gateway.config import GatewayConfig
 
 

@@ -7,13 +7,13 @@ from typing import get_args
 
 import pytest
 
-from lockgate.coordinator.advantages import (
+from lockgate.coordinator.loop.advantages import (
     AdvantageEstimator,
     compute_advantages,
     rloo_advantages,
     weigh_negatives,
 )
-from lockgate.coordinator.groups import Group, Rollout, group_to_train_samples
+from lockgate.coordinator.loop.groups import Group, Rollout, group_to_train_samples
 from lockgate.gateway.schema import SessionInfo, SessionSamples, TrainingSample
 
 CENTRING_ONLY: tuple[AdvantageEstimator, ...] = ("grpo_no_std", "dr_grpo")

@@ -35,7 +35,7 @@ from lockgate.agent_runtime import (
 )
 from lockgate.agent_runtime.command import _own_process_group, parse_reward, reward_url
 from lockgate.coordinator.config import load_config
-from lockgate.coordinator.launch import load_environment
+from lockgate.coordinator.launch.local import load_environment
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig

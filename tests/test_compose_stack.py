@@ -33,7 +33,7 @@ from compose_local import (
 )
 from marked_processes import processes_with_marker
 
-from lockgate.coordinator.processes import free_port
+from lockgate.coordinator.launch.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -1,4 +1,4 @@
-"""The run's own session yields the CPU to the trainer's (coordinator/cpu_priority.py)."""
+"""The run's own session yields the CPU to the trainer's (coordinator/launch/cpu_priority.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from lockgate.coordinator.config import RunConfig
-from lockgate.coordinator.cpu_priority import AUTOGROUP, autogroup_nice, session_niced
-from lockgate.coordinator.launch import _trainer_first
+from lockgate.coordinator.launch.cpu_priority import AUTOGROUP, autogroup_nice, session_niced
+from lockgate.coordinator.launch.local import _trainer_first
 
 
 def test_autogroup_lines_parse() -> None:

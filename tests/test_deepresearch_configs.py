@@ -14,7 +14,7 @@ import pytest
 
 from lockgate.coordinator.config import load_config, read_config_file
 from lockgate.examples.deepresearch.prepare import arguments
-from lockgate.trainer.sft_config import SFTConfig
+from lockgate.trainer.sft.config import SFTConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "deepresearch" / "configs"
 

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from threaded_server import serve_in_thread
 
 from lockgate.coordinator.config import env_overrides, load_config
-from lockgate.coordinator.deploy_checks import DeployError, check_run_parts
+from lockgate.coordinator.launch.deploy_checks import DeployError, check_run_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = str(ROOT / "examples/toy/config.yaml")

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from marked_processes import processes_with_marker
 
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 
 pytestmark = pytest.mark.vllm
 

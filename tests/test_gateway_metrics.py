@@ -157,7 +157,7 @@ async def test_a_stalled_event_loop_shows_in_the_loop_lag_histogram_and_the_log(
     await asyncio.sleep(0.25)  # the heartbeat's first wake-ups, on time
     before = await rig.metric("lockgate_gateway_loop_lag_seconds_bucket", le="0.25")
     assert before >= 1
-    with caplog.at_level("WARNING", logger="lockgate.gateway.api.loop_lag"):
+    with caplog.at_level("WARNING", logger="lockgate.gateway.api.event_loop_lag"):
         time.sleep(0.4)  # noqa: ASYNC251 - what a blocking call in the gateway does to every call
         await asyncio.sleep(0.15)  # the heartbeat wakes, late
     assert await rig.metric("lockgate_gateway_loop_lag_seconds_count") > before

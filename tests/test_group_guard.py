@@ -1,4 +1,4 @@
-"""`spawn` and the group guard (coordinator/group_guard.py) in isolation: a child leads a process
+"""`spawn` and the group guard (coordinator/launch/orphan_guard.py) in isolation: a child leads a process
 group in its spawner's session, and the guard exits as its command did and takes its whole group
 down when the process that spawned it dies."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from marked_processes import live_group_members
 
-from lockgate.coordinator.processes import spawn
+from lockgate.coordinator.launch.processes import spawn
 
 
 def _autogroup(pid: int | str) -> str | None:
@@ -65,7 +65,7 @@ def test_a_command_killed_by_a_signal_shows_as_killed(tmp_path: Path) -> None:
 _PARENT = """
 import sys, time
 from pathlib import Path
-from lockgate.coordinator.processes import spawn
+from lockgate.coordinator.launch.processes import spawn
 # The command starts a grandchild in the background, as vLLM starts its engine core.
 proc = spawn(["sh", "-c", "sleep 600 & sleep 600"], Path(sys.argv[1]), guard=True)
 print(proc.pid, flush=True)

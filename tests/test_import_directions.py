@@ -176,9 +176,9 @@ def test_a_wrong_import_is_caught_in_a_fixture_tree(tmp_path: Path) -> None:
             "gateway/vllm_ext/routes.py": "from lockgate.gateway.vllm_ext import load\n",
             "gateway/vllm_ext/load.py": "import torch\n",
             "agent_runtime/rollout.py": "from lockgate.gateway.client import GatewayClient\n",
-            "coordinator/loop.py": "from lockgate.trainer import step\nimport lockgate.gateway\n",
+            "coordinator/loop/training.py": "from lockgate.trainer import step\nimport lockgate.gateway\n",
             "trainer/step.py": "import torch\n",
-            "examples/demo/env.py": "from lockgate.coordinator import loop\n",
+            "examples/demo/env.py": "from lockgate.coordinator.loop.training import training as loop\n",
             # Wrong, one of each kind.
             "gateway/store/wrong.py": "from ..api import app\n",
             "gateway/replicas/wrong.py": "from lockgate.gateway.calls.pipeline import Call\n",

@@ -19,16 +19,16 @@ from pydantic import ValidationError
 
 from lockgate.agent_runtime import RolloutContext, RolloutResult, Task
 from lockgate.coordinator.config import LoopSection, SyncSection
-from lockgate.coordinator.loop import TrainingLoop
-from lockgate.coordinator.loop_state import (
+from lockgate.coordinator.loop.state import (
     STATE_FILE,
     LoopState,
     append_state,
     load_state,
     truncate_steps,
 )
-from lockgate.coordinator.metrics import MetricsLog, read_metrics
-from lockgate.coordinator.validation import validation_metrics
+from lockgate.coordinator.loop.training import TrainingLoop
+from lockgate.coordinator.loop.validation import validation_metrics
+from lockgate.coordinator.metrics.log import MetricsLog, read_metrics
 from lockgate.gateway.schema import (
     CreatedSession,
     LoadReport,

@@ -15,7 +15,8 @@ import pytest
 from dashboards import tensorboard_histograms, tensorboard_scalars, wandb_history
 
 from lockgate.coordinator.config import MetricsSection, RunConfig, WandbSection
-from lockgate.coordinator.metric_sinks import (
+from lockgate.coordinator.metrics.log import MetricsLog
+from lockgate.coordinator.metrics.sinks import (
     STEP_KEY,
     TensorBoardSink,
     WandbSink,
@@ -23,7 +24,6 @@ from lockgate.coordinator.metric_sinks import (
     scalar_fields,
     staleness_buckets,
 )
-from lockgate.coordinator.metrics import MetricsLog
 
 
 def _record(step: int, reward: float) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from lockgate.coordinator.metrics import MetricsLog
+from lockgate.coordinator.metrics.log import MetricsLog
 
 
 def _record(step: int, tokens_per_s: float, step_s: float, train_s: float) -> dict[str, float]:

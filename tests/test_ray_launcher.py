@@ -23,8 +23,8 @@ from marked_processes import processes_with_marker
 from pydantic import ValidationError
 
 from lockgate.coordinator.config import RunConfig
-from lockgate.coordinator.deploy_checks import DeployError
-from lockgate.coordinator.ray_cluster import Demand, check_fits
+from lockgate.coordinator.launch.deploy_checks import DeployError
+from lockgate.coordinator.launch.ray.cluster import Demand, check_fits
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "admin-token-for-ray-e2e"

@@ -14,7 +14,7 @@ import pytest
 from marked_processes import live_group_members
 from transformers import AutoTokenizer
 
-from lockgate.coordinator.replica_launcher import (
+from lockgate.coordinator.launch.replicas import (
     LocalReplicaSet,
     Replica,
     ReplicaLaunchConfig,
@@ -156,7 +156,7 @@ def test_start_then_stop_leaves_no_process(tiny_model_dir: Path, tmp_path: Path)
 _COORDINATOR = """
 import sys, time
 from pathlib import Path
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 config = ReplicaLaunchConfig(model_dir=Path(sys.argv[1]), log_dir=Path(sys.argv[2]))
 with LocalReplicaSet(config) as replica_set:
     print(replica_set.replicas[0].proc.pid, flush=True)

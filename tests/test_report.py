@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lockgate.coordinator.report import (
+from lockgate.coordinator.metrics.report import (
     ReportError,
     load_metrics,
     run_names,

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from marked_processes import processes_with_marker
 
-from lockgate.coordinator.loop_state import STATE_FILE, LoopState
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.loop.state import STATE_FILE, LoopState
 from lockgate.trainer.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.vllm

@@ -1,5 +1,5 @@
 """`lockgate train` launches its gateway, validation gateway and trainer at once, and a part that
-fails to start stops the others without waiting on them (coordinator/launch.py)."""
+fails to start stops the others without waiting on them (coordinator/launch/local.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from marked_processes import processes_with_marker
 
-from lockgate.coordinator import launch
 from lockgate.coordinator.config import load_config
-from lockgate.coordinator.gateway_process import GatewayProcess, GatewayStartError
-from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.launch import local as launch
+from lockgate.coordinator.launch.gateway import GatewayProcess, GatewayStartError
+from lockgate.coordinator.launch.trainer import TrainerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from lockgate.coordinator.gateway_process import GatewayProcess
+from lockgate.coordinator.launch.gateway import GatewayProcess
 from lockgate.gateway.api.session_keys import SESSION_KEY_PREFIX, key_digest
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.store.trajectories import TrajectoryStore

@@ -20,9 +20,9 @@ from trainer_runs import needs_gpu
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lockgate.coordinator.config import read_config_file
-from lockgate.trainer import sft_data
-from lockgate.trainer.sft_config import SFTConfig
-from lockgate.trainer.sft_data import (
+from lockgate.trainer.sft import data as sft_data
+from lockgate.trainer.sft.config import SFTConfig
+from lockgate.trainer.sft.data import (
     ChatTokenizer,
     TemplateMismatch,
     end_of_turn_id,

@@ -1,12 +1,12 @@
 """When `lockgate sft` stops early: the rules over held-out and training losses
-(trainer/sft_stop.py)."""
+(trainer/sft/stop.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lockgate.trainer.sft_config import PlateauStop, SFTLoopSection
-from lockgate.trainer.sft_stop import plateaued, stop_reason, windowed_loss
+from lockgate.trainer.sft.config import PlateauStop, SFTLoopSection
+from lockgate.trainer.sft.stop import plateaued, stop_reason, windowed_loss
 
 # Seed 0's copy drills of the DeepResearch CPU recipe, every 50 steps from step 50: a long
 # first plateau near 2.6-3.4, a fall, then 0.08-0.11 until the 1,200-step cap.

@@ -22,7 +22,7 @@ from test_snapshot_load import (
     state,
 )
 
-from lockgate.coordinator.cli import main as cli
+from lockgate.coordinator.cli.main import main as cli
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
 from lockgate.gateway.schema import DiskWeights
 from lockgate.gateway.sync import weights

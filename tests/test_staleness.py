@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from lockgate.coordinator.config import LoopSection
-from lockgate.coordinator.groups import Group, Rollout
-from lockgate.coordinator.loop_state import STATE_FILE, LoopState
-from lockgate.coordinator.staleness import (
+from lockgate.coordinator.loop.groups import Group, Rollout
+from lockgate.coordinator.loop.staleness import (
     StalenessController,
     drop_stale_rollouts,
     oldest_allowed_version,
     staleness_counts,
 )
+from lockgate.coordinator.loop.state import STATE_FILE, LoopState
 from lockgate.gateway.schema import SessionInfo, SessionSamples, TrainingSample
 
 ROOT = Path(__file__).resolve().parents[1]

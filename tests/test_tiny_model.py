@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from lockgate.trainer.tiny_model import (
+from lockgate.trainer.tiny_models.builder import (
     _QWEN3_ADDED_TOKENS,
     EOS_TOKEN,
     TinyModelSpec,

@@ -14,7 +14,7 @@ _LOAD = """
 import sys
 from pathlib import Path
 from lockgate.coordinator.config import EnvironmentSection
-from lockgate.coordinator.launch import load_environment
+from lockgate.coordinator.launch.local import load_environment
 env = load_environment(
     EnvironmentSection(path=Path(sys.argv[1])), Path(sys.argv[2]), Path(sys.argv[3])
 )

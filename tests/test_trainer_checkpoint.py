@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_runs import max_diff, needs_gpu, synthetic_batch
 
-from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.launch.trainer import TrainerProcess
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult
 from lockgate.trainer.checkpoint import (

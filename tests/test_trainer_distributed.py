@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 from trainer_runs import max_diff, near_policy_batch, synthetic_batch, train, weights
 
-from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess, thread_env
+from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess, thread_env
 from lockgate.trainer.batch import TrainBatch, TrainSample
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.logprobs import logprobs_from_dir

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_runs import near_policy_batch, needs_gpu, train, weights
 
-from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess
+from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.parallel import resolve_device
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from marked_processes import processes_with_marker
 
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -48,7 +48,7 @@ def _rank_pids(marker: str) -> list[int]:
     for pid in processes_with_marker(marker):
         with contextlib.suppress(OSError):
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"lockgate.trainer.main" in argv and b"torch.distributed.run" not in argv:
+            if b"lockgate.trainer.rl.main" in argv and b"torch.distributed.run" not in argv:
                 pids.append(pid)
     return pids
 

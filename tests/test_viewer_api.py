@@ -15,7 +15,7 @@ import pytest
 from test_gateway_edges import ADMIN, Harness, _admin, harness  # noqa: F401
 from viewer_fixtures import build_store
 
-from lockgate.coordinator.cli import main as cli_main
+from lockgate.coordinator.cli.main import main as cli_main
 from lockgate.gateway.viewer.routes import COOKIE
 from lockgate.gateway.viewer.serve import create_view_app, find_run_files
 

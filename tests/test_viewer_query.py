@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from viewer_fixtures import Built, build_store, call
 
-from lockgate.coordinator.advantages import compute_advantages
+from lockgate.coordinator.loop.advantages import compute_advantages
 from lockgate.gateway.calls.samples import merge_calls
 from lockgate.gateway.store.trajectories import TrajectoryStore
 from lockgate.gateway.viewer import query

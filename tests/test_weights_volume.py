@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lockgate.coordinator.deploy_checks import check_replicas_read
-from lockgate.coordinator.replica_launcher import LocalReplicaSet
+from lockgate.coordinator.launch.deploy_checks import check_replicas_read
+from lockgate.coordinator.launch.replicas import LocalReplicaSet
 from lockgate.gateway.vllm_ext.probe import PROBE_PREFIX, read_probe
 
 ROOT = Path(__file__).resolve().parents[1]

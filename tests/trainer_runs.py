@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lockgate.coordinator.trainer_process import TrainerProcess
+from lockgate.coordinator.launch.trainer import TrainerProcess
 from lockgate.trainer.batch import StepResult, TrainBatch, TrainSample
 from lockgate.trainer.config import Device, TrainerConfig
 from lockgate.trainer.logprobs import logprobs_from_dir

@@ -55,7 +55,7 @@ from lockgate.examples.deepresearch.retrieval.client import RetrievalClient
 from lockgate.examples.deepresearch.retrieval.launcher import RetrievalService
 from lockgate.examples.deepresearch.serving import start_retrieval
 from lockgate.examples.deepresearch.world import WorldSizes
-from lockgate.trainer.tiny_model import default_cache_dir
+from lockgate.trainer.tiny_models.builder import default_cache_dir
 
 
 def question_task(q: Question) -> Task:

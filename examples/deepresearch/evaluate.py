@@ -404,7 +404,7 @@ def _table(run_dirs: list[Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lockgate.trainer.tiny_model import default_cache_dir
+    from lockgate.trainer.tiny_models.builder import default_cache_dir
 
     parser = argparse.ArgumentParser(prog="python -m lockgate.examples.deepresearch.evaluate")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lockgate.examples.deepresearch.agent import SYSTEM_PROMPT, TOOLS
 from lockgate.examples.deepresearch.data import CORPUS, TRAIN
-from lockgate.trainer.tiny_model import TinyModelSpec, ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import TinyModelSpec, ensure_tiny_model
 
 MODEL_NAME = "lockgate-deepresearch-qwen3"
 

@@ -59,7 +59,7 @@ $PY -m $MOD.evaluate run --model "$SFT_MODEL" "${EVAL[@]}" --out "$RUN/eval_sft.
 
 say "4/5 fully-async GRPO (lockgate train) -> $RUN/rl"
 # The replicas are given, not started by the run, so say that they are local and share the 2
-# cores with the trainer, which gets the CPU first (coordinator/cpu_priority.py).
+# cores with the trainer, which gets the CPU first (coordinator/launch/cpu_priority.py).
 urls=$(IFS=,; echo "${REPLICAS[*]}")
 $LG train examples/deepresearch/configs/rl_cpu.yaml --run-dir "$RUN/rl" --set "seed=$SEED" \
   --set "model.path=$(pwd)/$SFT_MODEL" --set "environment.args.kb_dir=$(pwd)/$kb" \

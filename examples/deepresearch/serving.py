@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from lockgate.coordinator.gateway_process import GatewayProcess
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.gateway import GatewayProcess
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.examples.deepresearch.retrieval.launcher import RetrievalService
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable

@@ -38,7 +38,7 @@ from lockgate.gateway.viewer.routes import Viewer, ViewerSource, viewer_routes
 
 def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> FastAPI:
     gateway = Gateway(config, http)
-    # The run dir holds the store and metrics.jsonl side by side (coordinator/launch.py).
+    # The run dir holds the store and metrics.jsonl side by side (coordinator/launch/local.py).
     viewer = Viewer(
         ViewerSource(
             db_path=config.db_path,

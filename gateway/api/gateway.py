@@ -14,7 +14,7 @@ import httpx
 
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.api.chat import ChatAnswers
-from lockgate.gateway.api.loop_lag import LoopLagMonitor
+from lockgate.gateway.api.event_loop_lag import LoopLagMonitor
 from lockgate.gateway.api.session_admission import SessionAdmission
 from lockgate.gateway.api.session_keys import (
     SESSION_KEY_PREFIX,

@@ -356,7 +356,7 @@ def _extends(prompt: list[int], prefix: list[int]) -> bool:
 
 def advantages(rewards: Sequence[float | None]) -> tuple[list[float | None], list[float | None]]:
     """GRPO's and RLOO's advantage of each reward, over the rewards the group has so far
-    (coordinator/advantages.py is what the run trains with; this is its arithmetic)."""
+    (coordinator/loop/advantages.py is what the run trains with; this is its arithmetic)."""
     known = [r for r in rewards if r is not None]
     if not known:
         return [None] * len(rewards), [None] * len(rewards)

@@ -1,6 +1,6 @@
 """The run dashboard's data: the step records of a run's metrics.jsonl, shaped into columns.
 
-The coordinator writes one JSON line per trainer step (coordinator/metrics.py); `lockgate
+The coordinator writes one JSON line per trainer step (coordinator/metrics/log.py); `lockgate
 report` plots the same file after the run. Here it is read while the run writes it: a last
 line not yet complete is skipped, and the file is re-read only when its size or mtime moved.
 """

@@ -1,6 +1,6 @@
 """Code that runs inside the vLLM replicas' own processes, not in the gateway's.
 
-vLLM imports these from the dotted paths the launcher passes (coordinator/replica_launcher.py):
+vLLM imports these from the dotted paths the launcher passes (coordinator/launch/replicas.py):
 
 - `snapshot_load.py`: the worker extension
   (`--worker-extension-cls lockgate.gateway.vllm_ext.snapshot_load.SnapshotLoad`), which loads

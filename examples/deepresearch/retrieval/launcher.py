@@ -20,7 +20,7 @@ from typing import Self
 
 import httpx
 
-from lockgate.coordinator.processes import log_tail, spawn, terminate
+from lockgate.coordinator.launch.processes import log_tail, spawn, terminate
 
 _MODULE = "lockgate.examples.deepresearch.retrieval"
 _URL_LINE = re.compile(rb"^(http://\S+)$", re.MULTILINE)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lockgate.coordinator.processes import log_tail, spawn, terminate
+from lockgate.coordinator.launch.processes import log_tail, spawn, terminate
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.config import TrainerConfig
@@ -68,7 +68,7 @@ class TrainerError(RuntimeError):
 
 class TrainerProcess:
     """The trainer ranks under torchrun on this machine. Subclasses place them elsewhere (Ray:
-    coordinator/ray_trainer.py) by overriding `_launch`, `_exit_code` and `_shutdown`; the file
+    coordinator/launch/ray/trainer.py) by overriding `_launch`, `_exit_code` and `_shutdown`; the file
     protocol, and so the loop's view of the trainer, stays the same."""
 
     def __init__(
@@ -116,9 +116,9 @@ class TrainerProcess:
             time.sleep(0.1)
 
     def _launch(self) -> None:
-        """Start every rank of `lockgate.trainer.main` on this run dir."""
+        """Start every rank of `lockgate.trainer.rl.main` on this run dir."""
         self._proc = spawn_ranks(
-            "lockgate.trainer.main",
+            "lockgate.trainer.rl.main",
             ["--run-dir", str(self.run_dir)],
             world_size=self.config.world_size,
             num_threads=self.config.num_threads,

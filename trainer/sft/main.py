@@ -1,5 +1,5 @@
 """The supervised fine-tuning rank program:
-`torchrun ... -m lockgate.trainer.sft --config OUT/config.json [--resume]`.
+`torchrun ... -m lockgate.trainer.sft.main --config OUT/config.json [--resume]`.
 
 `lockgate sft` writes the resolved `SFTConfig` and the tokenized conversations into OUT and
 starts this on `trainer.world_size` ranks. Every rank loads the model, shards it with FSDP2 and
@@ -32,17 +32,17 @@ import torch.distributed as dist
 from lockgate.trainer.checkpoint import save_checkpoint
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.loss import sample_weights, token_logprobs
-from lockgate.trainer.main import (
+from lockgate.trainer.model import forward_logits, load_policy, pad_batch
+from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
+from lockgate.trainer.rank import (
     die_with_launcher,
     export_model,
     record_failure,
     restore_or_clear,
 )
-from lockgate.trainer.model import forward_logits, load_policy, pad_batch
-from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
-from lockgate.trainer.sft_config import SFTConfig, SFTLayout
-from lockgate.trainer.sft_data import Example, StepPlan, plan_steps, read_examples
-from lockgate.trainer.sft_stop import stop_reason
+from lockgate.trainer.sft.config import SFTConfig, SFTLayout
+from lockgate.trainer.sft.data import Example, StepPlan, plan_steps, read_examples
+from lockgate.trainer.sft.stop import stop_reason
 from lockgate.trainer.step import (
     accumulate_and_step,
     build_optimizer,
@@ -272,7 +272,7 @@ def train(config: SFTConfig, *, resume: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
-    parser = argparse.ArgumentParser(prog="python -m lockgate.trainer.sft")
+    parser = argparse.ArgumentParser(prog="python -m lockgate.trainer.sft.main")
     parser.add_argument("--config", type=Path, required=True, help="OUT/config.json")
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in OUT"

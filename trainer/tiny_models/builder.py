@@ -7,7 +7,7 @@ initialised `Qwen3ForCausalLM` small enough to train on two CPU cores. Because t
 template mirror real Qwen3, the `renderers` library's Qwen3 renderer produces exactly the ids
 the template does, so the gateway's token-exact path is exercised as it would be on a real model.
 
-    python -m lockgate.trainer.tiny_model [--cache-dir DIR | --out DIR]
+    python -m lockgate.trainer.tiny_models.builder [--cache-dir DIR | --out DIR]
 """
 
 from __future__ import annotations
@@ -530,7 +530,7 @@ def ensure_tiny_model(cache_dir: Path | None = None, spec: TinyModelSpec | None 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lockgate.trainer.tiny_model",
+        prog="python -m lockgate.trainer.tiny_models.builder",
         description="Build (once) the tiny offline Qwen3-style test model and print its path.",
     )
     where = parser.add_mutually_exclusive_group()

@@ -42,16 +42,16 @@ from typing import Any
 
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
 from lockgate.coordinator.config import LoopSection, SyncSection
-from lockgate.coordinator.groups import Group, Rollout, drop_reason, group_to_train_samples
-from lockgate.coordinator.loop_state import LoopState, append_state
-from lockgate.coordinator.metrics import MetricsLog
-from lockgate.coordinator.staleness import (
+from lockgate.coordinator.launch.trainer import TrainerProcess
+from lockgate.coordinator.loop.groups import Group, Rollout, drop_reason, group_to_train_samples
+from lockgate.coordinator.loop.staleness import (
     StalenessController,
     drop_stale_rollouts,
     staleness_counts,
 )
-from lockgate.coordinator.trainer_process import TrainerProcess
-from lockgate.coordinator.validation import run_validation
+from lockgate.coordinator.loop.state import LoopState, append_state
+from lockgate.coordinator.loop.validation import run_validation
+from lockgate.coordinator.metrics.log import MetricsLog
 from lockgate.gateway.client import GatewayClient, GatewayClientError
 from lockgate.gateway.schema import WeightsLayout
 from lockgate.trainer.batch import StepResult, TrainBatch

@@ -10,22 +10,22 @@ import sys
 import time
 from pathlib import Path
 
-from lockgate.coordinator.cli_errors import config_error as _config_error
-from lockgate.coordinator.cli_errors import error as _error
-from lockgate.coordinator.config import describe_options, load_config, read_config_file
-from lockgate.coordinator.deploy_checks import DeployError
-from lockgate.coordinator.deploy_commands import (
+from lockgate.coordinator.cli.deploy import (
     DEPLOY_COMMANDS,
     add_deploy_parsers,
     overrides_with_env,
     run_deploy_command,
 )
-from lockgate.coordinator.gateway_process import GatewayDied, GatewayStartError
-from lockgate.coordinator.part_configs import run_dir_of
-from lockgate.coordinator.replica_launcher import ReplicaStartError, usable_cpus
-from lockgate.coordinator.view_command import add_view_parser, run_view
+from lockgate.coordinator.cli.errors import config_error as _config_error
+from lockgate.coordinator.cli.errors import error as _error
+from lockgate.coordinator.cli.view import add_view_parser, run_view
+from lockgate.coordinator.config import describe_options, load_config, read_config_file
+from lockgate.coordinator.launch.deploy_checks import DeployError
+from lockgate.coordinator.launch.gateway import GatewayDied, GatewayStartError
+from lockgate.coordinator.launch.parts import run_dir_of
+from lockgate.coordinator.launch.replicas import ReplicaStartError, usable_cpus
 from lockgate.trainer.protocol import write_atomic
-from lockgate.trainer.sft_config import SFTConfig
+from lockgate.trainer.sft.config import SFTConfig
 
 
 def _add_overrides(parser: argparse.ArgumentParser, example: str) -> None:
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _report(run_dirs: list[Path], out: Path | None) -> int:
-    from lockgate.coordinator.report import ReportError, write_report  # matplotlib is slow
+    from lockgate.coordinator.metrics.report import ReportError, write_report  # matplotlib is slow
 
     try:
         report = write_report(run_dirs, out)
@@ -145,7 +145,7 @@ def _load_sft(path: Path, overrides: list[str], out: Path | None) -> SFTConfig:
     config = SFTConfig.model_validate(read_config_file(path, overrides))
     model_dir = config.model.path
     if model_dir is None:
-        from lockgate.trainer.tiny_model import ensure_tiny_model
+        from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
         model_dir = ensure_tiny_model()
     resolved = config.resolved(path.parent, model_dir)
@@ -176,7 +176,7 @@ def _check_out(config: SFTConfig, resume: bool) -> bool:
 
 def _prepare_sft_data(config: SFTConfig) -> None:
     """Tokenize the train (and val) chats into OUT/data/, printing what was cut or dropped."""
-    from lockgate.trainer.sft_data import load_tokenizer, tokenize_file, write_examples
+    from lockgate.trainer.sft.data import load_tokenizer, tokenize_file, write_examples
 
     layout, data = config.layout, config.data
     splits = [("train", data.path, layout.train_data), ("val", data.val_path, layout.val_data)]
@@ -222,14 +222,14 @@ def _follow(proc: subprocess.Popen[bytes], log_path: Path, offset: int) -> int:
 
 
 def _run_sft(config: SFTConfig, resume: bool) -> int:
-    from lockgate.coordinator.processes import terminate
-    from lockgate.coordinator.trainer_process import spawn_ranks
+    from lockgate.coordinator.launch.processes import terminate
+    from lockgate.coordinator.launch.trainer import spawn_ranks
 
     layout = config.layout
     layout.failed.unlink(missing_ok=True)
     offset = layout.log.stat().st_size if layout.log.exists() else 0
     proc = spawn_ranks(
-        "lockgate.trainer.sft",
+        "lockgate.trainer.sft.main",
         ["--config", str(layout.config), *(["--resume"] if resume else [])],
         world_size=config.trainer.world_size,
         num_threads=config.trainer.num_threads,
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export-hf":
         return _export_hf(args.snapshot, args.out)
     if args.command == "build-model":
-        from lockgate.trainer.tiny_model import ensure_tiny_model
+        from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
         print(ensure_tiny_model())
         return 0
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir is not None:
         config.run_dir = args.run_dir
 
-    from lockgate.coordinator.launch import RunStopped, train  # heavy: only when training
+    from lockgate.coordinator.launch.local import RunStopped, train  # heavy: only when training
 
     try:
         summary = train(config, resume=args.resume is not None)

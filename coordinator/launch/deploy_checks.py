@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from lockgate.coordinator.config import GatewaySection, ReplicasSection, RunConfig
-from lockgate.coordinator.part_configs import admin_token_of
+from lockgate.coordinator.launch.parts import admin_token_of
 from lockgate.gateway.schema import GatewayStatus
 from lockgate.gateway.vllm_ext.probe import PROBE_METHOD, PROBE_PREFIX
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from lockgate.coordinator.metric_sinks import MetricSink, SinkFanout
+from lockgate.coordinator.metrics.sinks import MetricSink, SinkFanout
 
 
 class MetricsLog:

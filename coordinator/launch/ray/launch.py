@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lockgate.coordinator.config import RunConfig
-from lockgate.coordinator.ray_cluster import Demand, RayCluster
-from lockgate.coordinator.ray_replicas import RayReplicaSet
-from lockgate.coordinator.ray_trainer import RayTrainerRanks
-from lockgate.coordinator.replica_launcher import ReplicaLaunchConfig
+from lockgate.coordinator.launch.ray.cluster import Demand, RayCluster
+from lockgate.coordinator.launch.ray.replicas import RayReplicaSet
+from lockgate.coordinator.launch.ray.trainer import RayTrainerRanks
+from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.trainer.config import TrainerConfig
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lockgate.trainer.sft_config import PlateauStop, SFTLoopSection
+from lockgate.trainer.sft.config import PlateauStop, SFTLoopSection
 
 
 def plateaued(losses: Sequence[float], rule: PlateauStop) -> bool:

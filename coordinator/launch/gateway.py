@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from lockgate.coordinator.processes import client_host, free_port, log_tail, spawn, terminate
+from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 
 

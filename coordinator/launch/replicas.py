@@ -25,7 +25,7 @@ from typing import Self
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lockgate.coordinator.processes import client_host, free_port, log_tail, spawn, terminate
+from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.sync.weights import SNAPSHOT_LOAD_EXTENSION
 from lockgate.gateway.vllm_ext.routes import REPLICA_ROUTES
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockgate.coordinator.advantages import (
+from lockgate.coordinator.loop.advantages import (
     AdvantageEstimator,
     compute_advantages,
     weigh_negatives,

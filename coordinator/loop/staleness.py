@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from lockgate.coordinator.groups import Group
+from lockgate.coordinator.loop.groups import Group
 
 
 @dataclass

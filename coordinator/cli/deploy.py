@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lockgate.coordinator.cli_errors import config_error, error
+from lockgate.coordinator.cli.errors import config_error, error
 from lockgate.coordinator.config import (
     GatewaySection,
     ModelSection,
@@ -39,23 +39,23 @@ from lockgate.coordinator.config import (
     env_overrides,
     load_config,
 )
-from lockgate.coordinator.deploy_checks import (
+from lockgate.coordinator.launch.deploy_checks import (
     DeployError,
     check_model_dir,
     check_port_free,
     check_replica_ports,
     check_replicas,
 )
-from lockgate.coordinator.gateway_process import GatewayProcess, GatewayStartError
-from lockgate.coordinator.part_configs import (
+from lockgate.coordinator.launch.gateway import GatewayProcess, GatewayStartError
+from lockgate.coordinator.launch.parts import (
     admin_token_of,
     gateway_config_of,
     new_admin_token,
     replica_launch_config_of,
     run_dir_of,
 )
-from lockgate.coordinator.processes import client_host, free_port
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, ReplicaStartError
+from lockgate.coordinator.launch.processes import client_host, free_port
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaStartError
 
 DEPLOY_COMMANDS = ("replicas", "gateway", "serve", "session")
 
@@ -176,7 +176,7 @@ def run_deploy_command(args: argparse.Namespace) -> int:
 def _model_dir(config: RunConfig) -> Path:
     if config.model.path is not None:
         return config.model.path
-    from lockgate.trainer.tiny_model import ensure_tiny_model  # torch: only when needed
+    from lockgate.trainer.tiny_models.builder import ensure_tiny_model  # torch: only when needed
 
     return ensure_tiny_model()
 

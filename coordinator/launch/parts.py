@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 
 from lockgate.coordinator.config import GatewaySection, RunConfig
-from lockgate.coordinator.replica_launcher import ReplicaLaunchConfig
+from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.gateway.config import GatewayConfig
 
 TRAJECTORIES_FILE = "trajectories.sqlite"

@@ -1,4 +1,4 @@
-"""The trainer rank program: `torchrun ... -m lockgate.trainer.main --run-dir DIR`.
+"""The trainer rank program: `torchrun ... -m lockgate.trainer.rl.main --run-dir DIR`.
 
 Every rank loads the policy (and, with a KL penalty, a frozen reference copy), shards it with
 FSDP2, resumes from the newest checkpoint if asked, and then serves steps through the file
@@ -11,10 +11,7 @@ ranks always agree on which collective they enter.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
-import os
-import signal
 import sys
 import time
 import traceback
@@ -23,21 +20,17 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.checkpoint import (
-    clear_checkpoints,
-    latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
 )
 from lockgate.trainer.config import TrainerConfig
-from lockgate.trainer.export import prune_snapshots, write_snapshot
+from lockgate.trainer.export import prune_snapshots
 from lockgate.trainer.model import load_policy
 from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
-from lockgate.trainer.protocol import ExportLayout
+from lockgate.trainer.rank import die_with_launcher, export_model, record_failure, restore_or_clear
 from lockgate.trainer.step import build_optimizer, train_step
 
 log = logging.getLogger("lockgate.trainer")
@@ -73,23 +66,6 @@ def _next_action(run_dir: Path, step: int, due: int, world: Distributed) -> Next
     return decision[0]
 
 
-def export_model(
-    model: torch.nn.Module,
-    source_dir: Path,
-    out: Path,
-    world: Distributed,
-    layout: ExportLayout | None = None,
-) -> None:
-    """Collective: write the sharded model's full weights as a snapshot at `out` beside
-    `source_dir`'s config and tokenizer files (HF layout unless `layout` says otherwise)."""
-    # Every rank takes part in gathering the full state dict; only rank 0 receives and writes it.
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if world.is_main:
-        write_snapshot(state, source_dir, out, layout)
-
-
 def _export(
     model: torch.nn.Module, config: TrainerConfig, run_dir: Path, step: int, world: Distributed
 ) -> Path:
@@ -109,36 +85,6 @@ def _reference_model(config: TrainerConfig, world: Distributed) -> torch.nn.Modu
     reference = load_policy(config.model_dir, world.device).eval().requires_grad_(False)
     shard_model(reference, world.mesh, compute_dtype=config.compute_dtype)
     return reference
-
-
-def restore_or_clear(
-    root: Path,
-    *,
-    resume: bool,
-    fresh_from: Path,
-    policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    world: Distributed,
-) -> int:
-    """Collective. With `resume`, load the newest checkpoint under `root` and return its step
-    (0 when there is none: a fresh start from `fresh_from`); without it, delete the
-    checkpoints an earlier run left there and return 0."""
-    # Rank 0 looks and tells the others, so all ranks load the same checkpoint.
-    found: list[str | None] = [None]
-    if world.is_main:
-        if resume:
-            latest = latest_checkpoint(root)
-            found = [str(latest[1]) if latest else None]
-            if latest is None:
-                log.info("resume: no checkpoint under %s, starting from %s", root, fresh_from)
-        elif removed := clear_checkpoints(root):
-            log.warning("resume is off: deleted an earlier run's checkpoints %s", removed)
-    dist.broadcast_object_list(found, src=0)
-    if found[0] is None:
-        return 0
-    step = load_checkpoint(Path(found[0]), policy, optimizer, world)
-    log.info("resumed from %s (step %d)", found[0], step)
-    return step
 
 
 def _train_one(
@@ -242,25 +188,9 @@ def serve(run_dir: Path) -> None:
     dist.destroy_process_group()
 
 
-def die_with_launcher() -> None:
-    """SIGKILL this rank when torchrun dies.
-
-    torchrun starts each rank in a session of its own, so killing torchrun's process group
-    (what a crash of the coordinator or `kill -9` does) would leave the ranks running: still
-    polling the run dir, holding memory or a GPU, and answering the next trainer's batches.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    launcher = os.getppid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != launcher:  # it died before the signal was armed
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
-    parser = argparse.ArgumentParser(prog="python -m lockgate.trainer.main")
+    parser = argparse.ArgumentParser(prog="python -m lockgate.trainer.rl.main")
     parser.add_argument("--run-dir", type=Path, required=True, help="holds config.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -270,12 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(args.run_dir / protocol.FAILED, exc)
         raise
     return 0
-
-
-def record_failure(path: Path, exc: BaseException) -> None:
-    """Say why this rank died in one line, `rank R: ErrorType: message`, for the launcher."""
-    rank = os.environ.get("RANK", "0")
-    protocol.write_atomic(path, f"rank {rank}: {type(exc).__name__}: {exc}\n")
 
 
 if __name__ == "__main__":

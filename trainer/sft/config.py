@@ -2,7 +2,7 @@
 
 `lockgate sft CONFIG` reads this from YAML or TOML (with `--set a.b=value`, as `lockgate train`
 does), resolves it (`resolved`: absolute paths, the model dir filled in) and writes it to
-`OUT/config.json`, which the rank program (`trainer/sft.py`) reads. The `trainer` section holds
+`OUT/config.json`, which the rank program (`trainer/sft/main.py`) reads. The `trainer` section holds
 the RL trainer's own fields that supervised training shares (ranks, device, AdamW, the learning
 rate schedule, micro-batching, checkpoints): same types, bounds, defaults and descriptions, and
 it becomes a `TrainerConfig` for the shared step code.

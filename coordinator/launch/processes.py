@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from lockgate.coordinator.group_guard import PARENT_DIED
+from lockgate.coordinator.launch.orphan_guard import PARENT_DIED
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,7 +51,7 @@ def spawn(
     process is then the guard, and the command its child in the same group)."""
     argv, death = list(cmd), signal.SIGKILL
     if guard:
-        argv = [sys.executable, "-m", "lockgate.coordinator.group_guard", *argv]
+        argv = [sys.executable, "-m", "lockgate.coordinator.launch.orphan_guard", *argv]
         death = PARENT_DIED
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:

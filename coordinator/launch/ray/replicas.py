@@ -30,8 +30,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from lockgate.coordinator.processes import free_port, spawn, terminate
-from lockgate.coordinator.replica_launcher import (
+from lockgate.coordinator.launch.processes import free_port, spawn, terminate
+from lockgate.coordinator.launch.replicas import (
     Replica,
     ReplicaLaunchConfig,
     ReplicaStartError,

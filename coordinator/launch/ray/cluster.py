@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from lockgate.coordinator.config import RaySection
-from lockgate.coordinator.deploy_checks import DeployError
+from lockgate.coordinator.launch.deploy_checks import DeployError
 
 log = logging.getLogger(__name__)
 

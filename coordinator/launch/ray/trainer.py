@@ -1,6 +1,6 @@
 """The trainer ranks as Ray actors (`launcher: ray`), in a placement group of their own.
 
-Each rank actor starts `lockgate.trainer.main` as a child with the variables torchrun would
+Each rank actor starts `lockgate.trainer.rl.main` as a child with the variables torchrun would
 set (RANK, WORLD_SIZE, MASTER_ADDR/PORT from rank 0's node); the rank program ties itself to
 its parent, the actor (`die_with_launcher`). The coordinator drives the ranks through the same
 file protocol as under torchrun, so the run dir must be one path that every node sees (shared
@@ -22,8 +22,8 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from lockgate.coordinator.processes import free_port, spawn, terminate
-from lockgate.coordinator.trainer_process import TrainerProcess, thread_env
+from lockgate.coordinator.launch.processes import free_port, spawn, terminate
+from lockgate.coordinator.launch.trainer import TrainerProcess, thread_env
 from lockgate.trainer.config import TrainerConfig
 
 _CALL_S = 30.0
@@ -45,7 +45,7 @@ class RankActor:
         return host, free_port(host)
 
     def start(self, run_dir: str, env: dict[str, str], log_path: str) -> None:
-        cmd = [sys.executable, "-m", "lockgate.trainer.main", "--run-dir", run_dir]
+        cmd = [sys.executable, "-m", "lockgate.trainer.rl.main", "--run-dir", run_dir]
         self.proc = spawn(cmd, Path(log_path), env={**os.environ, **env})
 
     def poll(self) -> int | None:

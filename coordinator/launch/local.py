@@ -23,38 +23,38 @@ from typing import TYPE_CHECKING, Any
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
-from lockgate.coordinator.cpu_priority import session_niced
-from lockgate.coordinator.deploy_checks import (
+from lockgate.coordinator.launch.cpu_priority import session_niced
+from lockgate.coordinator.launch.deploy_checks import (
     DeployError,
     ExternalGateway,
     check_replicas_read,
     check_run_parts,
 )
-from lockgate.coordinator.gateway_process import GatewayDied, GatewayProcess
-from lockgate.coordinator.loop import RunSummary, TrainingLoop, Validation
-from lockgate.coordinator.loop_state import STATE_FILE, LoopState, load_state, truncate_steps
-from lockgate.coordinator.metric_sinks import MetricSink, check_sinks, open_sinks
-from lockgate.coordinator.metrics import MetricsLog, read_metrics
-from lockgate.coordinator.part_configs import (
+from lockgate.coordinator.launch.gateway import GatewayDied, GatewayProcess
+from lockgate.coordinator.launch.parts import (
     admin_token_of,
     gateway_config_of,
     new_admin_token,
     replica_launch_config_of,
     run_dir_of,
 )
-from lockgate.coordinator.replica_launcher import LocalReplicaSet, vllm_is_cpu_build
-from lockgate.coordinator.trainer_process import TrainerError, TrainerProcess
-from lockgate.coordinator.validation import val_tasks_of
+from lockgate.coordinator.launch.replicas import LocalReplicaSet, vllm_is_cpu_build
+from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
+from lockgate.coordinator.loop.state import STATE_FILE, LoopState, load_state, truncate_steps
+from lockgate.coordinator.loop.training import RunSummary, TrainingLoop, Validation
+from lockgate.coordinator.loop.validation import val_tasks_of
+from lockgate.coordinator.metrics.log import MetricsLog, read_metrics
+from lockgate.coordinator.metrics.sinks import MetricSink, check_sinks, open_sinks
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
 from lockgate.trainer import protocol
 from lockgate.trainer.config import TrainerConfig
-from lockgate.trainer.tiny_model import ensure_tiny_model
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 TRAINER_DIR = "trainer"  # the trainer's own folder in the run dir
 
 if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
-    from lockgate.coordinator.ray_launch import RayParts
+    from lockgate.coordinator.launch.ray.launch import RayParts
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ def _ray_parts(
     if config.launcher != "ray":
         return None
     try:
-        from lockgate.coordinator.ray_launch import RayParts
+        from lockgate.coordinator.launch.ray.launch import RayParts
     except ImportError as exc:
         raise DeployError(
             f"launcher: ray needs the ray package ({exc}): pip install 'lockgate[ray]'"
@@ -345,7 +345,7 @@ def _ray_parts(
 
 
 # How far this session's group yields to the trainer's: at 10 the trainer of the CPU recipe
-# got the core it needs (coordinator/cpu_priority.py).
+# got the core it needs (coordinator/launch/cpu_priority.py).
 TRAINER_FIRST_NICE = 10
 
 

@@ -7,7 +7,7 @@ ran on, orphaned, holding gigabytes of memory and spinning on a core. (torchrun'
 guard: torch ties them to torchrun itself.) So `spawn(..., guard=True)` starts such a command
 under this guard instead:
 
-    python -m lockgate.coordinator.group_guard COMMAND...
+    python -m lockgate.coordinator.launch.orphan_guard COMMAND...
 
 The guard leads the process group (`spawn` starts one for it) and gets `SIGUSR1` when the
 coordinator dies; it then SIGKILLs the whole group, itself included. A SIGTERM sent to the
@@ -40,7 +40,9 @@ def _let_command_answer(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m lockgate.coordinator.group_guard COMMAND...", file=sys.stderr)
+        print(
+            "usage: python -m lockgate.coordinator.launch.orphan_guard COMMAND...", file=sys.stderr
+        )
         return 2
     signal.signal(PARENT_DIED, _kill_group)
     signal.signal(signal.SIGTERM, _let_command_answer)

@@ -1,0 +1,1 @@
+"""The `lockgate` command line: one module per command; `main.py` parses and dispatches."""
