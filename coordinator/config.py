@@ -177,6 +177,18 @@ class TrainerSection(TrainerConfig):
     model_dir: Path | None = Field(  # type: ignore[assignment]
         default=None, description="Filled from model.path at launch; leave unset."
     )
+    # The entropy term is the algorithm's choice, not the machinery's: it is set in
+    # `algorithm.entropy_coef` and handed to the trainer at launch.
+    entropy_coef: None = Field(  # type: ignore[assignment]
+        default=None, exclude=True, description="Set algorithm.entropy_coef instead."
+    )
+
+    @field_validator("entropy_coef", mode="before")
+    @classmethod
+    def _entropy_is_the_algorithms(cls, value: object) -> None:
+        if value is not None:
+            raise ValueError("the entropy term is set in algorithm.entropy_coef")
+        return None
 
 
 class LoopSection(BaseModel):
@@ -200,6 +212,45 @@ class LoopSection(BaseModel):
     min_group_size: int = Field(
         default=2, ge=1, description="Fewer usable rollouts drops the group."
     )
+    rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
+    val_every: int = Field(
+        default=0,
+        ge=0,
+        description="Validate every this many steps (and once at the start) with greedy "
+        "rollouts of the environment's val_tasks(); 0 never does.",
+    )
+    val_concurrency: int = Field(
+        default=8, ge=1, description="Validation rollouts running at once."
+    )
+
+    @property
+    def off_policy_bound(self) -> int:
+        return self.max_staleness if self.max_off_policy is None else self.max_off_policy
+
+    @model_validator(mode="after")
+    def _bounds_leave_room_between_syncs(self) -> LoopSection:
+        # Between two syncs the replicas keep one version for sync_every steps: the gate must let
+        # that many steps of groups start on it, and the bound must accept what they generate,
+        # or the run waits forever (gate) or drops every rollout it makes (bound).
+        lag = self.sync_every - 1
+        if self.max_staleness < lag:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} with sync_every={self.sync_every} would stall "
+                f"the run: the gate needs max_staleness >= sync_every - 1 = {lag}"
+            )
+        if self.off_policy_bound < lag:
+            raise ValueError(
+                f"max_off_policy={self.max_off_policy} with sync_every={self.sync_every} would "
+                f"drop every rollout: it needs max_off_policy >= sync_every - 1 = {lag}"
+            )
+        return self
+
+
+class AlgorithmSection(BaseModel):
+    """The learning algorithm's knobs, apart from the machinery that runs it: how advantages are
+    estimated and shaped, which groups are worth training on, and the entropy term."""
+
+    model_config = ConfigDict(extra="forbid")
     drop_zero_variance: bool = Field(
         default=False, description="Drop groups whose rewards are all equal (they carry no signal)."
     )
@@ -224,47 +275,11 @@ class LoopSection(BaseModel):
         description="Scales the advantages below zero: 1 is the estimator as it is, 0 trains on "
         "the rollouts better than their group only (coordinator/loop/advantages.py).",
     )
-    rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
-    val_every: int = Field(
-        default=0,
-        ge=0,
-        description="Validate every this many steps (and once at the start) with greedy "
-        "rollouts of the environment's val_tasks(); 0 never does.",
+    entropy_coef: float = Field(
+        default=0.0,
+        description="Weight of the entropy bonus (subtracted from the loss). Negative values make "
+        "it a penalty: the policy is pushed to sharpen what it samples (entropy minimisation).",
     )
-    val_concurrency: int = Field(
-        default=8, ge=1, description="Validation rollouts running at once."
-    )
-
-    @property
-    def off_policy_bound(self) -> int:
-        return self.max_staleness if self.max_off_policy is None else self.max_off_policy
-
-    @model_validator(mode="after")
-    def _screen_smaller_than_group(self) -> LoopSection:
-        if self.screen_size and self.screen_size >= self.group_size:
-            raise ValueError(
-                f"screen_size={self.screen_size} must be below group_size={self.group_size} "
-                "(0 turns screening off)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _bounds_leave_room_between_syncs(self) -> LoopSection:
-        # Between two syncs the replicas keep one version for sync_every steps: the gate must let
-        # that many steps of groups start on it, and the bound must accept what they generate,
-        # or the run waits forever (gate) or drops every rollout it makes (bound).
-        lag = self.sync_every - 1
-        if self.max_staleness < lag:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} with sync_every={self.sync_every} would stall "
-                f"the run: the gate needs max_staleness >= sync_every - 1 = {lag}"
-            )
-        if self.off_policy_bound < lag:
-            raise ValueError(
-                f"max_off_policy={self.max_off_policy} with sync_every={self.sync_every} would "
-                f"drop every rollout: it needs max_off_policy >= sync_every - 1 = {lag}"
-            )
-        return self
 
 
 class EnvironmentSection(BaseModel):
@@ -404,6 +419,7 @@ class RunConfig(BaseModel):
     sync: SyncSection = Field(default_factory=SyncSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     loop: LoopSection = Field(default_factory=LoopSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     launcher: Literal["local", "ray"] = Field(
@@ -420,6 +436,16 @@ class RunConfig(BaseModel):
         "Unset: when local replicas of the CPU build of vLLM share the cores with a local "
         "trainer.",
     )
+
+    @model_validator(mode="after")
+    def _screen_smaller_than_group(self) -> RunConfig:
+        screen, size = self.algorithm.screen_size, self.loop.group_size
+        if screen and screen >= size:
+            raise ValueError(
+                f"algorithm.screen_size={screen} must be below group_size={size} "
+                "(loop.group_size; 0 turns screening off)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ray_starts_its_parts(self) -> RunConfig:

@@ -138,7 +138,7 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
             "--set", "gateway.sampling.max_tokens=24", "--set", f"replicas.urls=[{url}]",
             "--set", "trainer_first=true",
             "--set", "loop.steps=2", "--set", "loop.groups_per_step=2", "--set", "loop.group_size=2",
-            "--set", "loop.drop_zero_variance=false", "--set", "loop.screen_size=0",
+            "--set", "algorithm.drop_zero_variance=false", "--set", "algorithm.screen_size=0",
             "--set", "loop.val_every=2",
             "--set", "trainer.checkpoint_every=0",
             env=env,

@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from lockgate.agent_runtime import RolloutContext, RolloutResult, Task
-from lockgate.coordinator.config import LoopSection, SyncSection
+from lockgate.coordinator.config import AlgorithmSection, LoopSection, RunConfig, SyncSection
 from lockgate.coordinator.loop.state import (
     STATE_FILE,
     LoopState,
@@ -186,6 +186,7 @@ def _loop(
     sync: SyncSection | None = None,
     config: LoopSection | None = None,
     env: type[FakeEnv] = FakeEnv,
+    algorithm: AlgorithmSection | None = None,
 ):  # type: ignore[no-untyped-def]
     gateway = FakeGateway()
     config = config or LoopSection(steps=steps, groups_per_step=3, group_size=2, max_staleness=eta)
@@ -193,7 +194,7 @@ def _loop(
     loop = TrainingLoop(
         config, env(gateway, seed), gateway, FakeTrainer(tmp_path / "metrics.jsonl"),
         metrics,  # type: ignore[arg-type]
-        state_path=tmp_path / STATE_FILE, resume=resume, sync=sync,
+        state_path=tmp_path / STATE_FILE, resume=resume, sync=sync, algorithm=algorithm,
     )  # fmt: skip
     return loop, gateway
 
@@ -230,11 +231,11 @@ def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_pat
 def test_screening_drops_a_group_none_of_whose_first_k_pass_before_generating_the_rest(
     tmp_path: Path,
 ) -> None:
-    config = LoopSection(
-        steps=6, groups_per_step=3, group_size=4, screen_size=2, max_staleness=1,
-        drop_zero_variance=True,
-    )  # fmt: skip
-    loop, gateway = _loop(tmp_path, steps=6, eta=1, seed=3, config=config, env=PassFailEnv)
+    config = LoopSection(steps=6, groups_per_step=3, group_size=4, max_staleness=1)
+    algorithm = AlgorithmSection(screen_size=2, drop_zero_variance=True)
+    loop, gateway = _loop(
+        tmp_path, steps=6, eta=1, seed=3, config=config, env=PassFailEnv, algorithm=algorithm
+    )
     asyncio.run(loop.run())
     last = read_metrics(tmp_path / "metrics.jsonl")[-1]
     states = _states(tmp_path)
@@ -266,7 +267,7 @@ def test_screening_drops_a_group_none_of_whose_first_k_pass_before_generating_th
 
 def test_a_screen_as_large_as_the_group_is_refused() -> None:
     with pytest.raises(ValidationError, match="screen_size=4 must be below group_size=4"):
-        LoopSection(group_size=4, screen_size=4)
+        RunConfig.model_validate({"loop": {"group_size": 4}, "algorithm": {"screen_size": 4}})
 
 
 def test_eta_zero_trains_only_tokens_of_the_version_the_step_starts_from(tmp_path: Path) -> None:
@@ -350,3 +351,13 @@ def test_validation_metrics_leave_failed_rollouts_out_of_the_mean() -> None:
     assert m["val/reward_mean"] == 0.5 and m["val/reward_std"] == 0.5
     assert m["val/tasks"] == 3 and m["val/failed"] == 1 and m["val/version"] == 3
     assert math.isnan(validation_metrics([result("failed", None)], 0, 0.0)["val/reward_mean"])
+
+
+def test_the_entropy_term_is_set_in_the_algorithm_section_not_the_trainers() -> None:
+    """`trainer.entropy_coef` is refused with a message naming where it moved; the value of
+    `algorithm.entropy_coef` is kept for the launch to hand to the trainer."""
+    with pytest.raises(ValidationError, match=r"algorithm\.entropy_coef"):
+        RunConfig.model_validate({"trainer": {"entropy_coef": -1.0}})
+    config = RunConfig.model_validate({"algorithm": {"entropy_coef": -1.0}})
+    assert "entropy_coef" not in config.trainer.model_dump()
+    assert config.algorithm.entropy_coef == -1.0

@@ -305,6 +305,7 @@ async def _run_loop(
                 client,
                 trainer,
                 metrics,
+                algorithm=config.algorithm,
                 sync=config.sync,
                 seed=config.seed,
                 state_path=run_dir / STATE_FILE,
@@ -377,6 +378,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     trainer_config = TrainerConfig.model_validate(
         {
             **config.trainer.model_dump(),
+            "entropy_coef": config.algorithm.entropy_coef,
             "model_dir": model_dir,
             "seed": config.seed,
             "resume": resume or config.trainer.resume,

@@ -11,7 +11,7 @@ Estimators (`compute_advantages`):
   length normalisation, is not an advantage at all: it is the trainer's loss aggregation
   `seq-mean-token-sum` (trainer/config.py, `loss_agg`).
 
-`weigh_negatives` then scales the advantages below zero (`loop.negative_advantage_weight`):
+`weigh_negatives` then scales the advantages below zero (`algorithm.negative_advantage_weight`):
 1 is the estimator as it is; 0 reinforces only the rollouts better than their group (positive
 sample reinforcement, a filtered behaviour cloning). The reason to try it: pushing a small
 model's sampled tokens down spreads their mass over everything else and raises its entropy

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
-from lockgate.coordinator.config import LoopSection, SyncSection
+from lockgate.coordinator.config import AlgorithmSection, LoopSection, SyncSection
 from lockgate.coordinator.launch.trainer import TrainerProcess
 from lockgate.coordinator.loop.groups import Group, Rollout, drop_reason, group_to_train_samples
 from lockgate.coordinator.loop.staleness import (
@@ -96,6 +96,7 @@ class TrainingLoop:
         trainer: TrainerProcess,
         metrics: MetricsLog,
         *,
+        algorithm: AlgorithmSection | None = None,
         sync: SyncSection | None = None,
         seed: int = 0,
         state_path: Path | None = None,
@@ -104,6 +105,7 @@ class TrainingLoop:
         previous_rewards: Sequence[float] = (),
     ) -> None:
         self.config = config
+        self.algorithm = algorithm or AlgorithmSection()
         self.sync = sync or SyncSection()
         self.env = env
         self.gateway = gateway
@@ -242,7 +244,7 @@ class TrainingLoop:
                 metadata=metadata,
             )
 
-        screen, size = self.config.screen_size, self.config.group_size
+        screen, size = self.algorithm.screen_size, self.config.group_size
         group = await self._collect(
             task, group_id, dispatch_version, await rollouts(screen or size)
         )
@@ -261,7 +263,7 @@ class TrainingLoop:
         reason = drop_reason(
             group,
             min_group_size=self.config.min_group_size,
-            drop_zero_variance=self.config.drop_zero_variance,
+            drop_zero_variance=self.algorithm.drop_zero_variance,
         )
         if reason is not None:
             self._counters[f"groups_dropped/{reason}"] += 1
@@ -307,7 +309,7 @@ class TrainingLoop:
                 if drop_reason(
                     group,
                     min_group_size=self.config.min_group_size,
-                    drop_zero_variance=self.config.drop_zero_variance,
+                    drop_zero_variance=self.algorithm.drop_zero_variance,
                 ):
                     self._counters["groups_dropped/stale"] += 1
                     await self._release(group.serial)
@@ -341,8 +343,8 @@ class TrainingLoop:
             for g in groups
             for s in group_to_train_samples(
                 g,
-                estimator=self.config.advantage_estimator,
-                negative_weight=self.config.negative_advantage_weight,
+                estimator=self.algorithm.advantage_estimator,
+                negative_weight=self.algorithm.negative_advantage_weight,
             )
         ]
         versions = [v for g in groups for v in g.token_versions()]
