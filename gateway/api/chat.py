@@ -10,7 +10,7 @@ error; a failure after that ends the stream with an error event.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from lockgate.gateway.api.responses import json_response
 from lockgate.gateway.api.streaming import DeltaTracker
 from lockgate.gateway.calls.pipeline import CallPipeline, ChatCall
+from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.calls.stops import as_list
 from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.metrics import GatewayMetrics
@@ -111,54 +112,17 @@ class ChatAnswers:
     async def _sse(
         self, call: ChatCall, chunks: AsyncIterator[int], primed: bool
     ) -> AsyncIterator[bytes]:
-        cid, created, model = _completion_id(call), int(time.time()), self.calls.config.model_name
-        tracker = DeltaTracker(
-            self.calls.renderer, call.prompt.prompt_ids, call.req.tools, as_list(call.req.stop)
+        events = _ChunkEvents(
+            call, self.calls.renderer, self.calls.config.model_name, self._logprobs
         )
         s = call.generator.sampled
-        sent_logprobs = 0
-
-        def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-            choice.update(extra)
-            payload = {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-        def deltas(content: str, reasoning: str) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            if reasoning:
-                out["reasoning_content"] = reasoning
-            if content:
-                out["content"] = content
-            return out
-
-        def logprobs_extra() -> dict[str, Any]:
-            nonlocal sent_logprobs
-            if not call.req.logprobs or sent_logprobs >= len(s.token_ids):
-                return {}
-            lp = self._logprobs(s, sent_logprobs, call.req.top_logprobs or 0)
-            sent_logprobs = len(s.token_ids)
-            return {"logprobs": lp.model_dump(mode="json")}
-
-        def progress() -> bytes | None:
-            """The event for what the tokens received so far add, if anything."""
-            d = tracker.update(s.token_ids)
-            extra = logprobs_extra()
-            return event(deltas(d.content, d.reasoning), **extra) if d or extra else None
-
         # Events ready at the same moment go out in one write: the role and what the first
         # tokens say; at the end, the rest, the finish, the usage and [DONE]. An update made
         # once the replica's real finish is in waits for the ending and goes out with it, so
         # an answer that arrives whole is one write.
-        held = event({"role": "assistant", "content": ""})
+        held = events.event({"role": "assistant", "content": ""})
         try:
-            if primed and (update := progress()):
+            if primed and (update := events.progress()):
                 held += update
             if not call.generator.finished:
                 yield held
@@ -166,12 +130,12 @@ class ChatAnswers:
             # One step per burst of upstream chunks (replicas/generation.py): the tokens that came
             # while the last update was being sent go out together.
             async for _ in chunks:
-                if update := progress():
+                if update := events.progress():
                     if call.generator.finished:
                         held += update
                     else:
                         yield update
-            parsed = self.calls.parse(call, tracker.final(s.token_ids))
+            parsed = self.calls.parse(call, events.tracker.final(s.token_ids))
             await self.calls.record(call)
         except GatewayError as exc:
             self.metrics.error(exc)
@@ -181,29 +145,86 @@ class ChatAnswers:
             return
         finally:
             await chunks.aclose()
-        d = tracker.finish(parsed.message)
-        tail = deltas(d.content, d.reasoning)
-        if parsed.message.tool_calls:
+        finish = self._finish_reason(call, parsed.has_tool_calls)
+        options = call.req.stream_options
+        usage = self._usage(call) if options is not None and options.include_usage else None
+        yield held + events.ending(parsed.message, finish, usage)
+
+
+class _ChunkEvents:
+    """The `chat.completion.chunk` events of one streamed call, as its tokens arrive."""
+
+    def __init__(
+        self,
+        call: ChatCall,
+        renderer: ChatRenderer,
+        model: str,
+        logprobs: Callable[[Sampled, int, int], ChoiceLogprobs],
+    ) -> None:
+        self.call = call
+        self.cid, self.created, self.model = _completion_id(call), int(time.time()), model
+        self.logprobs = logprobs
+        self.tracker = DeltaTracker(
+            renderer, call.prompt.prompt_ids, call.req.tools, as_list(call.req.stop)
+        )
+        self.sent_logprobs = 0
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        payload = {
+            "id": self.cid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def event(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice.update(extra)
+        return self.chunk([choice])
+
+    def logprobs_extra(self) -> dict[str, Any]:
+        """The logprobs of the tokens not sent yet, if the call asked for logprobs."""
+        s, req = self.call.generator.sampled, self.call.req
+        if not req.logprobs or self.sent_logprobs >= len(s.token_ids):
+            return {}
+        lp = self.logprobs(s, self.sent_logprobs, req.top_logprobs or 0)
+        self.sent_logprobs = len(s.token_ids)
+        return {"logprobs": lp.model_dump(mode="json")}
+
+    def progress(self) -> bytes | None:
+        """The event for what the tokens received so far add, if anything."""
+        d = self.tracker.update(self.call.generator.sampled.token_ids)
+        extra = self.logprobs_extra()
+        return self.event(_deltas(d.content, d.reasoning), **extra) if d or extra else None
+
+    def ending(self, message: Any, finish: str, usage: Usage | None) -> bytes:
+        """The rest of the answer, the finish, the usage if given, and [DONE]."""
+        d = self.tracker.finish(message)
+        tail = _deltas(d.content, d.reasoning)
+        if message.tool_calls:
             tail["tool_calls"] = [
                 {"index": i, **tc.model_dump(mode="json")}
-                for i, tc in enumerate(parsed.message.tool_calls)
+                for i, tc in enumerate(message.tool_calls)
             ]
-        extra = logprobs_extra()
-        closing = [event(tail, **extra)] if tail or extra else []
-        closing.append(event({}, self._finish_reason(call, parsed.has_tool_calls)))
-        options = call.req.stream_options
-        if options is not None and options.include_usage:
-            usage = {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": self._usage(call).model_dump(),
-            }
-            closing.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+        extra = self.logprobs_extra()
+        closing = [self.event(tail, **extra)] if tail or extra else []
+        closing.append(self.event({}, finish))
+        if usage is not None:
+            closing.append(self.chunk([], usage=usage.model_dump()))
         closing.append(b"data: [DONE]\n\n")
-        yield held + b"".join(closing)
+        return b"".join(closing)
+
+
+def _deltas(content: str, reasoning: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if content:
+        out["content"] = content
+    return out
 
 
 def _completion_id(call: ChatCall) -> str:
