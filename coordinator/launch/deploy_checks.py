@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from lockgate.coordinator.config import GatewaySection, ReplicasSection, RunConfig
+from lockgate.coordinator.errors import LockgateError
 from lockgate.coordinator.launch.parts import admin_token_of
 from lockgate.gateway.schema import GatewayStatus
 from lockgate.gateway.vllm_ext.probe import PROBE_METHOD, PROBE_PREFIX
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.5
 
 
-class DeployError(Exception):
+class DeployError(LockgateError):
     """Bad deploy input found before anything started; the message names the option."""
 
 

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import httpx
 
+from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 
 
-class GatewayStartError(RuntimeError):
-    pass
+class GatewayStartError(RunFailed):
+    """A gateway did not serve; the message says why and where its log is."""
 
 
-class GatewayDied(RuntimeError):
+class GatewayDied(RunFailed):
     """A gateway the run started exited mid-run; the message is one line for the operator."""
 
 

@@ -25,6 +25,7 @@ from typing import Self
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.sync.weights import SNAPSHOT_LOAD_EXTENSION
 from lockgate.gateway.vllm_ext.routes import REPLICA_ROUTES
@@ -37,8 +38,8 @@ _STOP_GRACE_S = 15.0
 _GROUP_EXIT_S = 5.0
 
 
-class ReplicaStartError(RuntimeError):
-    pass
+class ReplicaStartError(RunFailed):
+    """A replica did not serve; the message says why and carries its log's tail."""
 
 
 class ReplicaLaunchConfig(BaseModel):

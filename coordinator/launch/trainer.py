@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.processes import log_tail, spawn, terminate
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
@@ -62,7 +63,7 @@ def thread_env(num_threads: int, *, alone: bool = False) -> dict[str, str]:
     }
 
 
-class TrainerError(RuntimeError):
+class TrainerError(RunFailed):
     """The trainer failed a step or died; the message carries its traceback or log tail."""
 
 

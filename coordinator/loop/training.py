@@ -42,6 +42,7 @@ from typing import Any
 
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
 from lockgate.coordinator.config import AlgorithmSection, LoopSection, SyncSection
+from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.trainer import TrainerProcess
 from lockgate.coordinator.loop.groups import Group, Rollout, drop_reason, group_to_train_samples
 from lockgate.coordinator.loop.staleness import (
@@ -60,7 +61,7 @@ from lockgate.trainer.protocol import ExportLayout
 log = logging.getLogger(__name__)
 
 
-class SyncFailed(RuntimeError):
+class SyncFailed(RunFailed):
     """No replica took the new weights; the run stops, still serving the old version."""
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockgate.coordinator.errors import LockgateError
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -27,7 +29,7 @@ METRICS_FILE = "metrics.jsonl"
 NAN = math.nan
 
 
-class ReportError(Exception):
+class ReportError(LockgateError):
     """The run dir cannot be reported on; the message is one line for the CLI."""
 
 
