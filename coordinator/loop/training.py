@@ -43,7 +43,6 @@ from typing import Any
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
 from lockgate.coordinator.config import AlgorithmSection, LoopSection, SyncSection
 from lockgate.coordinator.errors import RunFailed
-from lockgate.coordinator.launch.trainer import TrainerProcess
 from lockgate.coordinator.loop.groups import Group, Rollout, drop_reason, group_to_train_samples
 from lockgate.coordinator.loop.staleness import (
     StalenessController,
@@ -51,6 +50,7 @@ from lockgate.coordinator.loop.staleness import (
     staleness_counts,
 )
 from lockgate.coordinator.loop.state import LoopState, append_state
+from lockgate.coordinator.loop.trainer_port import Trainer
 from lockgate.coordinator.loop.validation import run_validation
 from lockgate.coordinator.metrics.log import MetricsLog
 from lockgate.gateway.client import GatewayClient, GatewayClientError
@@ -94,7 +94,7 @@ class TrainingLoop:
         config: LoopSection,
         env: Environment,
         gateway: GatewayClient,
-        trainer: TrainerProcess,
+        trainer: Trainer,
         metrics: MetricsLog,
         *,
         algorithm: AlgorithmSection | None = None,
