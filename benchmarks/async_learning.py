@@ -26,8 +26,9 @@ from typing import Any
 
 from lockgate.coordinator.config import load_config
 from lockgate.coordinator.launch.local import train
-from lockgate.coordinator.metrics.log import read_metrics
 from lockgate.coordinator.metrics.report import write_report
+from lockgate.coordinator.run_dir import RunDir
+from lockgate.gateway.records.metrics_file import Reward, Staleness, read_metrics
 
 TOY = Path(__file__).resolve().parent.parent / "examples" / "toy" / "config.yaml"
 
@@ -45,8 +46,8 @@ def run_one(args: argparse.Namespace, mode: str, eta: int, seed: int) -> dict[st
     )
     config.run_dir = run_dir
     summary = train(config)
-    records = read_metrics(run_dir / "metrics.jsonl")
-    rewards = [float(r["reward/mean"]) for r in records]
+    records = read_metrics(RunDir(run_dir).metrics)
+    rewards = [float(r[Reward.MEAN]) for r in records]
     tail = rewards[-args.final_steps :]
     return {
         "mode": mode,
@@ -58,7 +59,7 @@ def run_one(args: argparse.Namespace, mode: str, eta: int, seed: int) -> dict[st
         "final_reward": statistics.fmean(tail),
         # The step-to-step noise of that mean (batch rewards are noisy samples of the policy).
         "final_reward_sem": statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0,
-        "staleness_mean": statistics.fmean(float(r["staleness/mean"]) for r in records),
+        "staleness_mean": statistics.fmean(float(r[Staleness.MEAN]) for r in records),
         "validation": [
             (int(r["val/version"]), float(r["val/reward_mean"]))
             for r in records

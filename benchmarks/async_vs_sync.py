@@ -29,8 +29,9 @@ from typing import Any
 from lockgate.coordinator.config import RunConfig
 from lockgate.coordinator.launch.local import train
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
-from lockgate.coordinator.metrics.log import read_metrics
 from lockgate.coordinator.metrics.report import step_series, summarize
+from lockgate.coordinator.run_dir import RunDir
+from lockgate.gateway.records.metrics_file import Count, Time, count_key, read_metrics
 from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 ENV = Path(__file__).resolve().parent / "tool_delay_env.py"
@@ -69,11 +70,11 @@ def _config(args: argparse.Namespace, name: str, eta: int, urls: list[str]) -> R
 
 def run_mode(args: argparse.Namespace, name: str, eta: int, urls: list[str]) -> dict[str, Any]:
     summary = train(_config(args, name, eta, urls))
-    records = read_metrics(args.out / name / "metrics.jsonl")
+    records = read_metrics(RunDir(args.out / name).metrics)
     report = summarize(name, step_series(records))
-    waited = [float(r["time/wait_for_groups_s"]) for r in records]
-    trained = [float(r["time/train_s"]) for r in records]
-    first_step_s = float(records[0]["time/step_s"])
+    waited = [float(r[Time.WAIT_FOR_GROUPS_S]) for r in records]
+    trained = [float(r[Time.TRAIN_S]) for r in records]
+    first_step_s = float(records[0][Time.STEP_S])
     after_step1_s = summary.elapsed_s - first_step_s
     return {
         "mode": name,
@@ -88,10 +89,10 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, urls: list[str]) -> 
         # Without step 1, whose wait is the pipeline filling up (the same in every mode).
         "trainer_idle_frac_after_step1": 1 - sum(trained[1:]) / after_step1_s,
         "train_s": sum(trained),
-        "sync_s": sum(float(r["time/sync_s"]) for r in records),
+        "sync_s": sum(float(r[Time.SYNC_S]) for r in records),
         "staleness_mean": report.mean_staleness,
         "staleness_max": report.max_staleness,
-        "rollouts_stale_dropped": int(records[-1].get("count/rollouts_stale", 0)),
+        "rollouts_stale_dropped": int(records[-1].get(count_key(Count.ROLLOUTS_STALE), 0)),
     }
 
 

@@ -20,7 +20,6 @@ from pydantic import ValidationError
 from lockgate.agent_runtime import RolloutContext, RolloutResult, Task
 from lockgate.coordinator.config import AlgorithmSection, LoopSection, RunConfig, SyncSection
 from lockgate.coordinator.loop.state import (
-    STATE_FILE,
     LoopState,
     append_state,
     load_state,
@@ -28,7 +27,9 @@ from lockgate.coordinator.loop.state import (
 )
 from lockgate.coordinator.loop.training import TrainingLoop
 from lockgate.coordinator.loop.validation import validation_metrics
-from lockgate.coordinator.metrics.log import MetricsLog, read_metrics
+from lockgate.coordinator.metrics.log import MetricsLog
+from lockgate.coordinator.run_dir import RunDir
+from lockgate.gateway.records.metrics_file import read_metrics
 from lockgate.gateway.schema import (
     CreatedSession,
     LoadReport,
@@ -194,13 +195,13 @@ def _loop(
     loop = TrainingLoop(
         config, env(gateway, seed), gateway, FakeTrainer(tmp_path / "metrics.jsonl"),
         metrics,  # type: ignore[arg-type]
-        state_path=tmp_path / STATE_FILE, resume=resume, sync=sync, algorithm=algorithm,
+        state_path=RunDir(tmp_path).loop_state, resume=resume, sync=sync, algorithm=algorithm,
     )  # fmt: skip
     return loop, gateway
 
 
 def _states(tmp_path: Path) -> list[LoopState]:
-    return [LoopState.model_validate_json(line) for line in (tmp_path / STATE_FILE).open()]
+    return [LoopState.model_validate_json(line) for line in RunDir(tmp_path).loop_state.open()]
 
 
 def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_path: Path) -> None:
@@ -208,8 +209,8 @@ def test_a_resumed_loop_trains_every_dispatched_task_once_and_skips_none(tmp_pat
     asyncio.run(loop.run())
     assert [s.step for s in _states(tmp_path)] == [1, 2, 3, 4]
     # As if killed after the trainer checkpointed step 2: later records are cut off.
-    truncate_steps(tmp_path / STATE_FILE, 2)
-    at_checkpoint = load_state(tmp_path / STATE_FILE, 2)
+    truncate_steps(RunDir(tmp_path).loop_state, 2)
+    at_checkpoint = load_state(RunDir(tmp_path).loop_state, 2)
     assert at_checkpoint.pending, "the test needs groups in flight at the checkpoint"
     resumed, gateway = _loop(tmp_path, steps=5, eta=2, resume=at_checkpoint, seed=2)
     summary = asyncio.run(resumed.run())
@@ -317,7 +318,7 @@ def test_the_trainer_writes_each_snapshot_in_the_layout_the_replicas_ask_for_the
 
 
 def test_state_lines_load_by_step_and_truncate_ignoring_a_half_written_line(tmp_path: Path) -> None:
-    path = tmp_path / STATE_FILE
+    path = RunDir(tmp_path).loop_state
     for step in (1, 2, 3):
         append_state(
             path,

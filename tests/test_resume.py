@@ -23,7 +23,8 @@ import pytest
 from marked_processes import processes_with_marker
 
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
-from lockgate.coordinator.loop.state import STATE_FILE, LoopState
+from lockgate.coordinator.loop.state import LoopState
+from lockgate.coordinator.run_dir import RunDir
 from lockgate.trainer.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.vllm
@@ -114,7 +115,7 @@ def test_a_killed_run_resumes_to_the_configured_step_without_repeating_or_skippi
     # The last step, committed just before STOP, is checkpointed on the way out.
     latest = latest_checkpoint(run_dir / "trainer" / "checkpoints")
     assert latest is not None and latest[0] == STEPS
-    states = [LoopState.model_validate_json(x) for x in (run_dir / STATE_FILE).open()]
+    states = [LoopState.model_validate_json(x) for x in RunDir(run_dir).loop_state.open()]
     assert [s.step for s in states] == list(range(1, STEPS + 1))
     trained = [serial for s in states for serial in s.trained]
     dropped = [serial for s in states for serial in s.dropped]

@@ -13,6 +13,7 @@ from lockgate.coordinator.config import load_config
 from lockgate.coordinator.launch import local as launch
 from lockgate.coordinator.launch.gateway import GatewayProcess, GatewayStartError
 from lockgate.coordinator.launch.trainer import TrainerProcess
+from lockgate.coordinator.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def test_the_parts_start_together_and_a_failed_gateway_stops_the_rest(
 
     def fail_first_wait(self: GatewayProcess, timeout_s: float = 60.0) -> None:
         seen["waited on"] = self.name
-        seen["trainer launched"] = (run_dir / launch.TRAINER_DIR / "config.json").is_file()
+        seen["trainer launched"] = RunDir(run_dir).trainer_config.is_file()
         seen["validation gateway launched"] = (run_dir / "val_gateway_config.json").is_file()
         seen["children"] = len(processes_with_marker(marker))
         raise GatewayStartError("the gateway did not serve (made to fail by the test)")

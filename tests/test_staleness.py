@@ -20,7 +20,8 @@ from lockgate.coordinator.loop.staleness import (
     oldest_allowed_version,
     staleness_counts,
 )
-from lockgate.coordinator.loop.state import STATE_FILE, LoopState
+from lockgate.coordinator.loop.state import LoopState
+from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.schema import SessionInfo, SessionSamples, TrainingSample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ def test_bounds_that_cannot_cover_the_steps_between_syncs_are_config_errors() ->
 
 def _trained_versions(run_dir: Path) -> dict[int, list[int]]:
     """Step -> the weight version of every completion token of the sessions it trained."""
-    states = [LoopState.model_validate_json(line) for line in (run_dir / STATE_FILE).open()]
+    states = [LoopState.model_validate_json(line) for line in RunDir(run_dir).loop_state.open()]
     db = sqlite3.connect(run_dir / "trajectories.sqlite")
     out: dict[int, list[int]] = {}
     for state in states:

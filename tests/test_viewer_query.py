@@ -18,7 +18,7 @@ from lockgate.gateway.calls.samples import merge_calls
 from lockgate.gateway.store.trajectories import TrajectoryStore
 from lockgate.gateway.viewer import query
 from lockgate.gateway.viewer.routes import open_read_only
-from lockgate.gateway.viewer.run_metrics import MetricsFile, parse_records, shape
+from lockgate.gateway.viewer.run_metrics import MetricsFile, shape
 
 VIEWER_INDEXES = (
     "sessions_task",
@@ -320,6 +320,5 @@ def test_run_metrics_are_shaped_for_the_dashboard(tmp_path: Path) -> None:
     assert m.trainer_idle_frac == pytest.approx([0.4, 0.25])
     assert m.stale_drops == [0.0, 2.0]
     assert m.staleness_hist == [{"0": 90, "1": 10}, {}]
-    assert parse_records("not json\n{}\n") == []
     assert shape([]).steps == []
     assert not MetricsFile(tmp_path / "missing.jsonl").read().available

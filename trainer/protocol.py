@@ -41,16 +41,29 @@ FAILED = "failed"
 EXPORT_LAYOUT = "export_layout.json"
 
 
+def config_path(run_dir: Path) -> Path:
+    """The trainer's config (a `TrainerConfig`), written by the coordinator before launch."""
+    return run_dir / "config.json"
+
+
+def batches_dir(run_dir: Path) -> Path:
+    return run_dir / "batches"
+
+
+def results_dir(run_dir: Path) -> Path:
+    return run_dir / "results"
+
+
 def batch_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "batches" / f"step_{step}.json"
+    return batches_dir(run_dir) / f"step_{step}.json"
 
 
 def result_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "results" / f"step_{step}.json"
+    return results_dir(run_dir) / f"step_{step}.json"
 
 
 def error_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "results" / f"step_{step}.error"
+    return results_dir(run_dir) / f"step_{step}.error"
 
 
 def snapshots_root(run_dir: Path) -> Path:

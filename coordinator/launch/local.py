@@ -40,25 +40,23 @@ from lockgate.coordinator.launch.parts import (
 )
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, vllm_is_cpu_build
 from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
-from lockgate.coordinator.loop.state import STATE_FILE, LoopState, load_state, truncate_steps
+from lockgate.coordinator.loop.state import LoopState, load_state, truncate_steps
 from lockgate.coordinator.loop.training import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop.validation import val_tasks_of
-from lockgate.coordinator.metrics.log import MetricsLog, read_metrics
+from lockgate.coordinator.metrics.log import MetricsLog
 from lockgate.coordinator.metrics.sinks import MetricSink, check_sinks, open_sinks
+from lockgate.coordinator.run_dir import VAL_GATEWAY, RunDir
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.records.metrics_file import Reward, read_metrics
 from lockgate.trainer import protocol
 from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.tiny_models.builder import ensure_tiny_model
-
-TRAINER_DIR = "trainer"  # the trainer's own folder in the run dir
 
 if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
     from lockgate.coordinator.launch.ray.launch import RayParts
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 class RunStopped(RuntimeError):
@@ -139,7 +137,7 @@ def _resume_point(
     off, so metrics.jsonl stays one record per step, contiguous. A fresh run starts both files
     empty.
     """
-    metrics_path, state_path = run_dir / METRICS_FILE, run_dir / STATE_FILE
+    metrics_path, state_path = RunDir(run_dir).metrics, RunDir(run_dir).loop_state
     if not resume or resumed_step == 0:
         if resume:
             _say("resume: the trainer found no checkpoint; starting from step 1")
@@ -149,7 +147,7 @@ def _resume_point(
     state = load_state(state_path, resumed_step)
     truncate_steps(state_path, resumed_step)
     truncate_steps(metrics_path, resumed_step)
-    rewards = [float(r["reward/mean"]) for r in read_metrics(metrics_path)]
+    rewards = [float(r[Reward.MEAN]) for r in read_metrics(metrics_path)]
     _say(
         f"resuming after step {resumed_step}: {len(state.pending)} group(s) pending at the "
         f"checkpoint are dispatched again, then tasks from serial {state.next_serial}"
@@ -160,10 +158,8 @@ def _resume_point(
 def _validation_gateway(training: GatewayConfig, run_dir: Path) -> GatewayProcess:
     """A second gateway on the same replicas that samples greedily, for validation rollouts."""
     greedy = training.sampling.model_copy(update={"mode": "override", "temperature": 0.0})
-    config = training.model_copy(
-        update={"db_path": run_dir / "val_trajectories.sqlite", "sampling": greedy}
-    )
-    return GatewayProcess(config, run_dir, name="val_gateway")
+    config = training.model_copy(update={"db_path": RunDir(run_dir).val_store, "sampling": greedy})
+    return GatewayProcess(config, run_dir, name=VAL_GATEWAY)
 
 
 def _replica_urls(
@@ -176,16 +172,13 @@ def _replica_urls(
     """The replicas the config names, or ones started now (stopped by `stack`): on Ray with
     `ray_parts`, else on this machine."""
     urls = config.replicas.urls
+    logs = RunDir(run_dir).logs
     if ray_parts is not None:
-        _say(
-            f"starting {config.replicas.count} vLLM replica(s) on Ray (logs in {run_dir / 'logs'})"
-        )
-        urls = ray_parts.start_replicas(
-            replica_launch_config_of(config, model_dir, run_dir / "logs")
-        )
+        _say(f"starting {config.replicas.count} vLLM replica(s) on Ray (logs in {logs})")
+        urls = ray_parts.start_replicas(replica_launch_config_of(config, model_dir, logs))
     elif not urls:
-        _say(f"starting {config.replicas.count} vLLM replica(s) (logs in {run_dir / 'logs'})")
-        replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, run_dir / "logs"))
+        _say(f"starting {config.replicas.count} vLLM replica(s) (logs in {logs})")
+        replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, logs))
         stack.callback(replicas.stop)
         replicas.start()
         urls = replicas.urls
@@ -289,7 +282,7 @@ async def _run_loop(
     """The training loop against the started processes (`validation_at`: the validation
     gateway's URL and the held-out tasks, when validating), stopped if one of `gateways` (those
     the run started) dies."""
-    metrics = MetricsLog(run_dir / METRICS_FILE, config.loop.steps, sinks=sinks)
+    metrics = MetricsLog(RunDir(run_dir).metrics, config.loop.steps, sinks=sinks)
     async with contextlib.AsyncExitStack() as clients:
         clients.push_async_callback(close_shared_transport)
         client = await clients.enter_async_context(GatewayClient(gateway_url, admin_token))
@@ -308,7 +301,7 @@ async def _run_loop(
                 algorithm=config.algorithm,
                 sync=config.sync,
                 seed=config.seed,
-                state_path=run_dir / STATE_FILE,
+                state_path=RunDir(run_dir).loop_state,
                 resume=state,
                 validation=validation,
                 previous_rewards=rewards,
@@ -364,16 +357,17 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     external = check_run_parts(config, resume=resume)
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
+    run = RunDir(run_dir)
     # Replicas started elsewhere must read the snapshots this machine's trainer writes.
     elsewhere = external.replica_urls if external is not None else config.replicas.urls
     if elsewhere and config.launcher != "ray":
-        check_replicas_read(protocol.snapshots_root(run_dir / TRAINER_DIR), elsewhere)
-    (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
+        check_replicas_read(run.snapshots, elsewhere)
+    run.config.write_text(config.model_dump_json(indent=2))
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     check_sinks(config.metrics)
 
     model_dir = config.model.path or ensure_tiny_model()
-    env = load_environment(config.environment, model_dir, run_dir / "logs" / "agents")
+    env = load_environment(config.environment, model_dir, run.agent_logs)
     val_tasks = val_tasks_of(env) if config.loop.val_every else None
     trainer_config = TrainerConfig.model_validate(
         {
@@ -396,7 +390,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             config, external, model_dir, run_dir, stack, ray_parts
         )
         _say(f"starting {trainer_config.world_size} trainer rank(s)")
-        trainer_dir, trainer_log = run_dir / TRAINER_DIR, run_dir / "logs" / "trainer.log"
+        trainer_dir, trainer_log = run.trainer, run.trainer_log
         trainer = (
             TrainerProcess(trainer_config, trainer_dir, log_path=trainer_log)
             if ray_parts is None
@@ -429,7 +423,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             state.step if state is not None else 0,
         )
 
-        _say(f"training for {config.loop.steps} steps (metrics in {run_dir / 'metrics.jsonl'})")
+        _say(f"training for {config.loop.steps} steps (metrics in {run.metrics})")
         # The agents share this process's event loop with the loop itself; start-up left
         # hundreds of thousands of objects (torch, transformers) that each full collection
         # would walk with that loop stopped (as in the gateway, gateway/__main__.py).

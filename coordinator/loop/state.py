@@ -23,8 +23,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-STATE_FILE = "loop_state.jsonl"
-
 
 class LoopState(BaseModel):
     step: int = Field(description="The trainer step this line was written for.")

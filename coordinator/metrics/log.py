@@ -1,5 +1,8 @@
 """Step metrics: one JSONL line per trainer step, a one-line progress report on stderr, and
-the configured dashboards (`metric_sinks.py`)."""
+the configured dashboards (`sinks.py`).
+
+The file's format, its keys and its reader belong to `lockgate.gateway.records.metrics_file`:
+the viewer's dashboard reads the same file and may import nothing of the coordinator."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lockgate.coordinator.metrics.sinks import MetricSink, SinkFanout
+from lockgate.gateway.records.metrics_file import STEP, Perf, Reward, Staleness, Time
 
 
 class MetricsLog:
@@ -40,20 +44,20 @@ class MetricsLog:
         self._sinks.write(record)
 
     def _print(self, r: dict[str, Any]) -> None:
-        step = int(r["step"])
+        step = int(r[STEP])
         elapsed = time.monotonic() - self._started
         eta = elapsed / max(step, 1) * (self._total - step)
-        step_s = float(r.get("time/step_s", 0.0))
-        self._tokens += float(r["perf/gen_tokens_per_s"]) * step_s
+        step_s = float(r.get(Time.STEP_S, 0.0))
+        self._tokens += float(r[Perf.GEN_TOKENS_PER_S]) * step_s
         self._step_s += step_s
-        self._train_s += float(r["time/train_s"])
+        self._train_s += float(r[Time.TRAIN_S])
         rate = self._tokens / self._step_s if self._step_s > 0 else 0.0
         idle = 1.0 - self._train_s / self._step_s if self._step_s > 0 else 0.0
         self._stream.write(
-            f"step {step:>3}/{self._total} | reward {r['reward/mean']:.3f}"
+            f"step {step:>3}/{self._total} | reward {r[Reward.MEAN]:.3f}"
             f" | gen {rate:.0f} tok/s | trainer idle {100 * idle:.0f}%"
-            f" | staleness {r['staleness/mean']:.2f} (max {r['staleness/max']:.0f})"
-            f" | train {r['time/train_s']:.1f}s | sync {r['time/sync_s']:.2f}s"
+            f" | staleness {r[Staleness.MEAN]:.2f} (max {r[Staleness.MAX]:.0f})"
+            f" | train {r[Time.TRAIN_S]:.1f}s | sync {r[Time.SYNC_S]:.2f}s"
             f" | elapsed {_fmt(elapsed)} eta {_fmt(eta)}\n"
         )
         self._stream.flush()
@@ -66,7 +70,3 @@ class MetricsLog:
 def _fmt(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s"
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,11 +20,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockgate.coordinator.errors import LockgateError
+from lockgate.coordinator.run_dir import RunDir
+from lockgate.gateway.records.metrics_file import (
+    STEP,
+    MetricsFileError,
+    Perf,
+    Reward,
+    Staleness,
+    Time,
+    Val,
+    read_metrics,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-METRICS_FILE = "metrics.jsonl"
 NAN = math.nan
 
 
@@ -38,28 +47,19 @@ class ReportError(LockgateError):
 
 
 def load_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's step records, in file order.
-
-    A last line that does not parse is skipped: a run killed mid-write leaves one behind. A bad
-    line anywhere else is an error, as is a file with no steps.
+    """The run's step records, in file order, as `read_metrics` reads them (a partial last line
+    of a run killed mid-write is skipped, any other bad line is an error); a file with no steps
+    is an error too.
     """
     if not run_dir.is_dir():
         raise ReportError(f"run dir not found: {run_dir}")
-    path = run_dir / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.is_file():
-        raise ReportError(f"{run_dir} has no {METRICS_FILE} (is it a run dir?)")
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    records: list[dict[str, Any]] = []
-    for i, (number, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            if i == len(lines) - 1:
-                break
-            raise ReportError(f"{path}:{number}: not valid JSON: {exc}") from exc
-        if not isinstance(record, dict) or "step" not in record:
-            raise ReportError(f"{path}:{number}: not a step record (no 'step' key)")
-        records.append(record)
+        raise ReportError(f"{run_dir} has no {path.name} (is it a run dir?)")
+    try:
+        records = read_metrics(path)
+    except MetricsFileError as exc:
+        raise ReportError(str(exc)) from exc
     if not records:
         raise ReportError(f"{path} has no steps yet")
     return records
@@ -97,11 +97,11 @@ def step_series(records: Sequence[dict[str, Any]]) -> StepSeries:
         return [_num(r, key) for r in records]
 
     wait, train, sync = (
-        column("time/wait_for_groups_s"),
-        column("time/train_s"),
-        column("time/sync_s"),
+        column(Time.WAIT_FOR_GROUPS_S),
+        column(Time.TRAIN_S),
+        column(Time.SYNC_S),
     )
-    logged_step = column("time/step_s")
+    logged_step = column(Time.STEP_S)
     step_s = [
         logged if not math.isnan(logged) else sum(0.0 if math.isnan(x) else x for x in parts)
         for logged, *parts in zip(logged_step, wait, train, sync, strict=True)
@@ -116,15 +116,15 @@ def step_series(records: Sequence[dict[str, Any]]) -> StepSeries:
         1.0 - t / s if s > 0 and not math.isnan(t) else NAN
         for t, s in zip(train, step_s, strict=True)
     ]
-    replica_idle = column("perf/replica_idle_frac")
+    replica_idle = column(Perf.REPLICA_IDLE_FRAC)
     return StepSeries(
-        steps=[int(r["step"]) for r in records],
-        reward_mean=column("reward/mean"),
-        reward_min=column("reward/min"),
-        reward_max=column("reward/max"),
-        staleness_mean=column("staleness/mean"),
-        staleness_max=column("staleness/max"),
-        gen_tokens_per_s=column("perf/gen_tokens_per_s"),
+        steps=[int(r[STEP]) for r in records],
+        reward_mean=column(Reward.MEAN),
+        reward_min=column(Reward.MIN),
+        reward_max=column(Reward.MAX),
+        staleness_mean=column(Staleness.MEAN),
+        staleness_max=column(Staleness.MAX),
+        gen_tokens_per_s=column(Perf.GEN_TOKENS_PER_S),
         wait_s=wait,
         train_s=train,
         sync_s=sync,
@@ -133,9 +133,9 @@ def step_series(records: Sequence[dict[str, Any]]) -> StepSeries:
         trainer_idle_frac=idle,
         replica_idle_frac=None if all(math.isnan(x) for x in replica_idle) else replica_idle,
         validation=[
-            (int(_num(r, "val/version")), _num(r, "val/reward_mean"))
+            (int(_num(r, Val.VERSION)), _num(r, Val.REWARD_MEAN))
             for r in records
-            if not math.isnan(_num(r, "val/version"))
+            if not math.isnan(_num(r, Val.VERSION))
         ],
     )
 
@@ -153,7 +153,7 @@ def staleness_histogram(records: Sequence[dict[str, Any]]) -> StalenessHistogram
     Runs that did not log them get a histogram of steps by their maximum staleness, labelled
     as such, since a per-step mean is not a count.
     """
-    with_hist = [r["staleness/hist"] for r in records if isinstance(r.get("staleness/hist"), dict)]
+    with_hist = [r[Staleness.HIST] for r in records if isinstance(r.get(Staleness.HIST), dict)]
     counts: dict[int, int] = {}
     if with_hist:
         for hist in with_hist:
@@ -168,7 +168,7 @@ def staleness_histogram(records: Sequence[dict[str, Any]]) -> StalenessHistogram
             dict(sorted(counts.items())), "tokens", f"per-token staleness, all steps{partial}"
         )
     for r in records:
-        value = _num(r, "staleness/max")
+        value = _num(r, Staleness.MAX)
         if not math.isnan(value):
             counts[int(value)] = counts.get(int(value), 0) + 1
     return StalenessHistogram(
@@ -501,7 +501,7 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path | None = None) -> Repor
     names = run_names(run_dirs)
     series = [step_series(r) for r in records]
     summaries = [summarize(n, s) for n, s in zip(names, series, strict=True)]
-    out = out_dir if out_dir is not None else run_dirs[0] / "report"
+    out = out_dir if out_dir is not None else RunDir(run_dirs[0]).report
     out.mkdir(parents=True, exist_ok=True)
 
     if len(run_dirs) == 1:

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lockgate.coordinator.config import MetricsSection, WandbSection
+from lockgate.coordinator.run_dir import RunDir
+from lockgate.gateway.records.metrics_file import STEP, Staleness
 
 log = logging.getLogger(__name__)
 
-TENSORBOARD_DIR = "tensorboard"
-WANDB_ID_FILE = "wandb_run_id"
-STEP_KEY = "trainer/step"
-_HIST_KEY = "staleness/hist"
+STEP_KEY = "trainer/step"  # W&B's step axis: the sink's own name, not a record's key
+_HIST_KEY = Staleness.HIST
 
 
 class MetricSink(Protocol):
@@ -44,7 +44,7 @@ def scalar_fields(record: Mapping[str, Any]) -> dict[str, float]:
     return {
         k: float(v)
         for k, v in record.items()
-        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        if k != STEP and isinstance(v, int | float) and not isinstance(v, bool)
     }
 
 
@@ -89,7 +89,7 @@ class TensorBoardSink:
         )
 
     def write(self, record: Mapping[str, Any]) -> None:
-        step = int(record["step"])
+        step = int(record[STEP])
         for key, value in scalar_fields(record).items():
             self._writer.add_scalar(key, value, step)
         values, counts = staleness_buckets(record.get(_HIST_KEY, {}))
@@ -124,7 +124,7 @@ class WandbSink:
         resume: bool,
     ) -> None:
         self._wandb = _require("wandb", "wandb")
-        id_file = run_dir / WANDB_ID_FILE
+        id_file = RunDir(run_dir).wandb_run_id
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None
         self._run = self._wandb.init(
             project=section.project,
@@ -133,7 +133,7 @@ class WandbSink:
             group=section.group,
             tags=section.tags,
             mode=section.mode,
-            dir=str(run_dir),
+            dir=str(run_dir),  # W&B writes its own `wandb/` folder in it
             config=dict(config),
             id=run_id,
             resume="allow" if run_id else None,
@@ -145,7 +145,7 @@ class WandbSink:
         self._run.define_metric("*", step_metric=STEP_KEY)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        data: dict[str, Any] = {STEP_KEY: int(record["step"]), **scalar_fields(record)}
+        data: dict[str, Any] = {STEP_KEY: int(record[STEP]), **scalar_fields(record)}
         values, counts = staleness_buckets(record.get(_HIST_KEY, {}))
         if sum(counts):
             edges = [v - 0.5 for v in values] + [values[-1] + 0.5]
@@ -165,7 +165,7 @@ def open_sinks(
 ) -> list[MetricSink]:
     sinks: list[MetricSink] = []
     if section.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / TENSORBOARD_DIR, resumed_step))
+        sinks.append(TensorBoardSink(RunDir(run_dir).tensorboard, resumed_step))
     if section.wandb is not None:
         sinks.append(WandbSink(section.wandb, run_dir, run_name, config, resumed_step > 0))
     return sinks

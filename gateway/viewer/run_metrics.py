@@ -1,13 +1,13 @@
 """The run dashboard's data: the step records of a run's metrics.jsonl, shaped into columns.
 
-The coordinator writes one JSON line per trainer step (coordinator/metrics/log.py); `lockgate
-report` plots the same file after the run. Here it is read while the run writes it: a last
-line not yet complete is skipped, and the file is re-read only when its size or mtime moved.
+The coordinator writes one JSON line per trainer step; `lockgate report` plots the same file
+after the run. Here it is read while the run writes it, through the file's one reader
+(`read_metrics`, which skips a partial last line), and re-read only when its size or mtime
+moved.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -16,39 +16,58 @@ from typing import Any
 
 from pydantic import BaseModel
 
-# Columns sent as they are logged (None where a step did not log one).
+from lockgate.gateway.records.metrics_file import (
+    STEP,
+    Batch,
+    Count,
+    MetricsFileError,
+    Perf,
+    Reward,
+    Staleness,
+    Sync,
+    Time,
+    Val,
+    count_key,
+    read_metrics,
+)
+
+STALE_DROPS = count_key(Count.GROUPS_DROPPED_STALE)
+
+# Columns sent as they are logged (None where a step did not log one); static/viewer.js plots
+# them by these keys.
 COLUMNS = (
-    "reward/mean",
-    "reward/min",
-    "reward/max",
-    "val/version",
-    "val/reward_mean",
-    "staleness/mean",
-    "staleness/max",
-    "perf/gen_tokens_per_s",
-    "perf/replica_idle_frac",
-    "time/step_s",
-    "time/train_s",
-    "time/wait_for_groups_s",
-    "time/sync_s",
-    "sync/version",
-    "sync/stage_s",
-    "sync/pause_latency_s",
-    "sync/load_s",
-    "sync/resume_s",
-    "sync/duration_s",
-    "sync/interrupted",
-    "sync/tokens_kept",
-    "count/groups_dropped/stale",
-    "count/groups_dropped/zero_variance",
-    "count/interrupted_segments",
-    "count/rerender_splits",
-    "batch/loss_tokens",
+    Reward.MEAN,
+    Reward.MIN,
+    Reward.MAX,
+    Val.VERSION,
+    Val.REWARD_MEAN,
+    Staleness.MEAN,
+    Staleness.MAX,
+    Perf.GEN_TOKENS_PER_S,
+    Perf.REPLICA_IDLE_FRAC,
+    Time.STEP_S,
+    Time.TRAIN_S,
+    Time.WAIT_FOR_GROUPS_S,
+    Time.SYNC_S,
+    Sync.VERSION,
+    Sync.STAGE_S,
+    Sync.PAUSE_LATENCY_S,
+    Sync.LOAD_S,
+    Sync.RESUME_S,
+    Sync.DURATION_S,
+    Sync.INTERRUPTED,
+    Sync.TOKENS_KEPT,
+    STALE_DROPS,
+    count_key(Count.GROUPS_DROPPED_ZERO_VARIANCE),
+    count_key(Count.INTERRUPTED_SEGMENTS),
+    count_key(Count.RERENDER_SPLITS),
+    Batch.LOSS_TOKENS,
 )
 
 
 class RunMetrics(BaseModel):
     available: bool  # False: no metrics.jsonl (a gateway serving outside a run dir, say)
+    error: str | None = None  # why the file could not be read (a line that is no step record)
     path: str
     steps: list[int]
     columns: dict[str, list[float | None]]
@@ -64,46 +83,30 @@ def _num(record: dict[str, Any], key: str) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def parse_records(text: str) -> list[dict[str, Any]]:
-    """Step records in file order; lines that are not complete JSON objects with a step are
-    skipped (the last one may be mid-write)."""
-    records = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int | float):
-            records.append(record)
-    return records
-
-
 def shape(records: list[dict[str, Any]], path: str = "") -> RunMetrics:
     columns = {key: [_num(r, key) for r in records] for key in COLUMNS}
     idle: list[float | None] = []
     for r in records:
-        train, step = _num(r, "time/train_s"), _num(r, "time/step_s")
+        train, step = _num(r, Time.TRAIN_S), _num(r, Time.STEP_S)
         if step is None:
-            parts = [_num(r, k) for k in ("time/wait_for_groups_s", "time/train_s", "time/sync_s")]
+            parts = [_num(r, k) for k in (Time.WAIT_FOR_GROUPS_S, Time.TRAIN_S, Time.SYNC_S)]
             step = sum(p for p in parts if p is not None) if any(parts) else None
         idle.append(1.0 - train / step if train is not None and step else None)
     drops: list[float | None] = []
     before = 0.0
-    for total in columns["count/groups_dropped/stale"]:
+    for total in columns[STALE_DROPS]:
         drops.append(None if total is None else total - before)
         before = before if total is None else total
     hist = [
-        {str(k): int(v) for k, v in r["staleness/hist"].items()}
-        if isinstance(r.get("staleness/hist"), dict)
+        {str(k): int(v) for k, v in r[Staleness.HIST].items()}
+        if isinstance(r.get(Staleness.HIST), dict)
         else {}
         for r in records
     ]
     return RunMetrics(
         available=True,
         path=path,
-        steps=[int(r["step"]) for r in records],
+        steps=[int(r[STEP]) for r in records],
         columns=columns,
         trainer_idle_frac=idle,
         stale_drops=drops,
@@ -139,7 +142,11 @@ class MetricsFile:
         with self._lock:
             key = (st.st_size, st.st_mtime_ns)
             if self._shaped is None or key != self._seen:
-                text = self.path.read_text(errors="replace")
-                self._shaped = shape(parse_records(text), str(self.path))
+                try:
+                    self._shaped = shape(read_metrics(self.path), str(self.path))
+                except MetricsFileError as exc:
+                    self._shaped = empty.model_copy(update={"error": str(exc)})
+                except OSError:
+                    return empty
                 self._seen = key
             return self._shaped

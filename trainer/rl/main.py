@@ -107,7 +107,7 @@ def _train_one(
 
 
 def serve(run_dir: Path) -> None:
-    config = TrainerConfig.model_validate_json((run_dir / "config.json").read_text())
+    config = TrainerConfig.model_validate_json(protocol.config_path(run_dir).read_text())
     world = init_distributed(config.device, config.micro_batch_packing)
     torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)

@@ -319,7 +319,9 @@ async function loadDashboard() {
   if (!m.available) {
     $("#charts").innerHTML = "";
     $("#dash-summary").innerHTML = "";
-    $("#dash-note").textContent = `No run metrics yet (${m.path || "no metrics.jsonl"}): the dashboard fills in as the trainer logs steps.`;
+    $("#dash-note").textContent = m.error
+      ? `The run metrics cannot be read: ${m.error}`
+      : `No run metrics yet (${m.path || "no metrics.jsonl"}): the dashboard fills in as the trainer logs steps.`;
     return;
   }
   const c = m.columns, st = m.steps, last = (a) => { for (let i = a.length - 1; i >= 0; i--) if (a[i] !== null) return a[i]; return null; };
