@@ -54,6 +54,19 @@ from lockgate.coordinator.loop.trainer_port import Trainer
 from lockgate.coordinator.loop.validation import run_validation
 from lockgate.coordinator.metrics.log import MetricsLog
 from lockgate.gateway.client import GatewayClient, GatewayClientError
+from lockgate.gateway.records.metrics_file import (
+    STEP,
+    TRAIN_PREFIX,
+    VERSION,
+    Batch,
+    Count,
+    Perf,
+    Reward,
+    Staleness,
+    Sync,
+    Time,
+    count_key,
+)
 from lockgate.gateway.schema import WeightsLayout
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.protocol import ExportLayout
@@ -252,7 +265,7 @@ class TrainingLoop:
         group.serial = serial
         if screen:
             if not any(r > 0 for r in group.rewards):
-                self._counters["groups_dropped/screened_out"] += 1
+                self._counters[Count.GROUPS_SCREENED_OUT] += 1
                 await self._release(serial)
                 return
             rest = await self._collect(
@@ -267,7 +280,7 @@ class TrainingLoop:
             drop_zero_variance=self.algorithm.drop_zero_variance,
         )
         if reason is not None:
-            self._counters[f"groups_dropped/{reason}"] += 1
+            self._counters[Count.groups_dropped(reason)] += 1
             await self._release(serial)
             return
         await self._ready.put(group)
@@ -288,10 +301,10 @@ class TrainingLoop:
             if result.status != "finished" or result.reward is None:
                 reason = (result.error or "unknown").split(":")[0]
                 group.failures[reason] = group.failures.get(reason, 0) + 1
-                self._counters["rollouts_failed"] += 1
+                self._counters[Count.ROLLOUTS_FAILED] += 1
                 continue
             samples = await self.gateway.samples(result.session_id)
-            self._counters["rerender_splits"] += samples.splits
+            self._counters[Count.RERENDER_SPLITS] += samples.splits
             self._gen_tokens += sum(sum(s.loss_mask) for s in samples.samples)
             group.rollouts.append(Rollout(result.reward, samples))
         return group
@@ -306,13 +319,13 @@ class TrainingLoop:
                 await self._ready.get(), step, self.config.off_policy_bound
             )
             if stale:
-                self._counters["rollouts_stale"] += stale
+                self._counters[Count.ROLLOUTS_STALE] += stale
                 if drop_reason(
                     group,
                     min_group_size=self.config.min_group_size,
                     drop_zero_variance=self.algorithm.drop_zero_variance,
                 ):
-                    self._counters["groups_dropped/stale"] += 1
+                    self._counters[Count.GROUPS_DROPPED_STALE] += 1
                     await self._release(group.serial)
                     continue
             groups.append(group)
@@ -368,7 +381,7 @@ class TrainingLoop:
             if not self._overlaps_sync(step):
                 # After an overlapped one (the last step), the newer sync's figures win.
                 sync.update(await self._finish_sync())
-        sync["time/sync_s"] = time.monotonic() - blocked_started
+        sync[Time.SYNC_S] = time.monotonic() - blocked_started
 
         rewards = [r for g in groups for r in g.rewards]
         reward_mean = sum(rewards) / len(rewards)
@@ -376,27 +389,27 @@ class TrainingLoop:
         mark_time, mark_tokens = self._rate_mark
         self._rate_mark = (now, self._gen_tokens)
         record: dict[str, Any] = {
-            "step": step,
-            "version": self.version,
-            "reward/mean": reward_mean,
-            "reward/min": min(rewards),
-            "reward/max": max(rewards),
-            "batch/groups": len(groups),
-            "batch/rollouts": sum(len(g.rollouts) for g in groups),
-            "batch/samples": len(samples),
-            "batch/loss_tokens": sum(sum(s.loss_mask) for s in samples),
-            "staleness/mean": sum(staleness) / max(len(staleness), 1),
-            "staleness/max": max(staleness, default=0),
-            "staleness/min_version": min(versions, default=0),
-            "staleness/hist": staleness_counts(step, versions),
-            "perf/gen_tokens_per_s": (self._gen_tokens - mark_tokens) / max(now - mark_time, 1e-9),
-            "time/step_s": now - mark_time,
-            "time/wait_for_groups_s": wait_s,
-            "time/train_s": train_s,
+            STEP: step,
+            VERSION: self.version,
+            Reward.MEAN: reward_mean,
+            Reward.MIN: min(rewards),
+            Reward.MAX: max(rewards),
+            Batch.GROUPS: len(groups),
+            Batch.ROLLOUTS: sum(len(g.rollouts) for g in groups),
+            Batch.SAMPLES: len(samples),
+            Batch.LOSS_TOKENS: sum(sum(s.loss_mask) for s in samples),
+            Staleness.MEAN: sum(staleness) / max(len(staleness), 1),
+            Staleness.MAX: max(staleness, default=0),
+            Staleness.MIN_VERSION: min(versions, default=0),
+            Staleness.HIST: staleness_counts(step, versions),
+            Perf.GEN_TOKENS_PER_S: (self._gen_tokens - mark_tokens) / max(now - mark_time, 1e-9),
+            Time.STEP_S: now - mark_time,
+            Time.WAIT_FOR_GROUPS_S: wait_s,
+            Time.TRAIN_S: train_s,
             **sync,
             **self._finished_validation(),
-            **{f"train/{k}": v for k, v in result.metrics.items()},
-            **{f"count/{k}": v for k, v in self._counters.items()},
+            **{TRAIN_PREFIX + k: v for k, v in result.metrics.items()},
+            **{count_key(k): v for k, v in self._counters.items()},
         }
         self.metrics.write(record)
         # Only now may the trainer checkpoint this step: a checkpoint implies this record.
@@ -503,7 +516,7 @@ class TrainingLoop:
                 log.warning("could not resume the gateway at version %d: %s", self.version, exc)
             raise
         if load.failed:
-            self._counters["replicas_dropped"] += len(load.failed)
+            self._counters[Count.REPLICAS_DROPPED] += len(load.failed)
             log.warning(
                 "replicas out of rotation after failing to load %d: %s", version, load.failed
             )
@@ -513,17 +526,17 @@ class TrainingLoop:
         async with self._version_changed:
             self.version = version
             self._version_changed.notify_all()
-        self._counters["syncs"] += 1
-        self._counters["interrupted_segments"] += pause.interrupted
-        self._counters["interrupted_tokens_kept"] += pause.tokens_kept
+        self._counters[Count.SYNCS] += 1
+        self._counters[Count.INTERRUPTED_SEGMENTS] += pause.interrupted
+        self._counters[Count.INTERRUPTED_TOKENS_KEPT] += pause.tokens_kept
         return {
-            "sync/version": float(version),
-            "sync/duration_s": time.monotonic() - started,
-            "sync/stage_s": stage_s,
-            "time/sync_waited_for_val_s": val_wait,
-            "sync/pause_latency_s": pause.latency_s,
-            "sync/load_s": load.load_s,
-            "sync/resume_s": resume_s,
-            "sync/interrupted": float(pause.interrupted),
-            "sync/tokens_kept": float(pause.tokens_kept),
+            Sync.VERSION: float(version),
+            Sync.DURATION_S: time.monotonic() - started,
+            Sync.STAGE_S: stage_s,
+            Time.SYNC_WAITED_FOR_VAL_S: val_wait,
+            Sync.PAUSE_LATENCY_S: pause.latency_s,
+            Sync.LOAD_S: load.load_s,
+            Sync.RESUME_S: resume_s,
+            Sync.INTERRUPTED: float(pause.interrupted),
+            Sync.TOKENS_KEPT: float(pause.tokens_kept),
         }

@@ -18,6 +18,7 @@ from typing import Any
 
 from lockgate.agent_runtime import Environment, RolloutResult, Task, run_rollout
 from lockgate.gateway.client import GatewayClient
+from lockgate.gateway.records.metrics_file import Val
 
 
 def val_tasks_of(env: Environment) -> list[Task]:
@@ -40,14 +41,14 @@ def validation_metrics(
     mean = sum(rewards) / len(rewards) if rewards else math.nan
     var = sum((x - mean) ** 2 for x in rewards) / len(rewards) if rewards else math.nan
     return {
-        "val/version": float(version),
-        "val/reward_mean": mean,
-        "val/reward_std": math.sqrt(var),
-        "val/reward_min": min(rewards, default=math.nan),
-        "val/reward_max": max(rewards, default=math.nan),
-        "val/tasks": float(len(results)),
-        "val/failed": float(len(results) - len(rewards)),
-        "val/time_s": elapsed_s,
+        Val.VERSION: float(version),
+        Val.REWARD_MEAN: mean,
+        Val.REWARD_STD: math.sqrt(var),
+        Val.REWARD_MIN: min(rewards, default=math.nan),
+        Val.REWARD_MAX: max(rewards, default=math.nan),
+        Val.TASKS: float(len(results)),
+        Val.FAILED: float(len(results) - len(rewards)),
+        Val.TIME_S: elapsed_s,
     }
 
 
