@@ -98,6 +98,11 @@ class GatewayConfig(BaseModel):
     )
     replicas: list[str] = Field(default_factory=list, description="vLLM replica base URLs.")
     db_path: Path = Field(description="SQLite trajectory store file.")
+    metrics_path: Path | None = Field(
+        default=None,
+        description="The run's metrics.jsonl, which the viewer's dashboard plots; None: a "
+        "gateway outside a training run, with no dashboard.",
+    )
     admin_token: str = Field(min_length=8, description="Bearer token for /admin endpoints.")
     max_model_len: int = Field(default=2048, ge=16, description="Replicas' context length.")
     sampling: SamplingPolicy = Field(default_factory=SamplingPolicy)

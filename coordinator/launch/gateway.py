@@ -14,6 +14,7 @@ import httpx
 
 from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
+from lockgate.coordinator.run_dir import GATEWAY, RunDir
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, GatewayConfig
 
 
@@ -31,7 +32,7 @@ class GatewayProcess:
         config: GatewayConfig,
         run_dir: Path,
         port: int = 0,
-        name: str = "gateway",
+        name: str = GATEWAY,
         host: str = "127.0.0.1",
     ) -> None:
         self.config = config
@@ -40,7 +41,7 @@ class GatewayProcess:
         self.host = host
         self.port = port or free_port()
         self.url = f"http://{client_host(host)}:{self.port}"
-        self.log_path = run_dir / "logs" / f"{name}.log"
+        self.log_path = RunDir(run_dir).log_of(name)
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = 0.0
 
@@ -60,7 +61,7 @@ class GatewayProcess:
 
     def launch(self) -> None:
         """Start the gateway's process without waiting for it (`wait_ready` does)."""
-        config_path = self.run_dir / f"{self.name}_config.json"
+        config_path = RunDir(self.run_dir).gateway_config_of(self.name)
         # The token goes through the child's environment: run dirs get copied and shared.
         config_path.write_text(self.config.model_dump_json(indent=2, exclude={"admin_token"}))
         self._proc = spawn(

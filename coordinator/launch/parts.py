@@ -12,9 +12,8 @@ from pathlib import Path
 
 from lockgate.coordinator.config import GatewaySection, RunConfig
 from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
+from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.config import GatewayConfig
-
-TRAJECTORIES_FILE = "trajectories.sqlite"
 
 
 def run_dir_of(config: RunConfig) -> Path:
@@ -37,7 +36,8 @@ def gateway_config_of(
     return GatewayConfig(
         model_dir=model_dir,
         replicas=replica_urls,
-        db_path=run_dir / TRAJECTORIES_FILE,
+        db_path=RunDir(run_dir).store,
+        metrics_path=RunDir(run_dir).metrics,
         admin_token=admin_token,
         max_model_len=config.replicas.max_model_len,
         sampling=config.gateway.sampling,

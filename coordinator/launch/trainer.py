@@ -95,13 +95,15 @@ class TrainerProcess:
         """Launch the ranks without waiting for them (`wait_ready` does): a run starts its
         gateways meanwhile."""
         # A fresh protocol state: stale batches or a STOP from an earlier run would confuse ranks.
-        for name in ("batches", "results"):
-            shutil.rmtree(self.run_dir / name, ignore_errors=True)
+        for folder in (protocol.batches_dir(self.run_dir), protocol.results_dir(self.run_dir)):
+            shutil.rmtree(folder, ignore_errors=True)
         stale = (protocol.STOP, protocol.READY, protocol.COMMITTED, protocol.FAILED)
         for name in (*stale, protocol.EXPORT_LAYOUT):
             (self.run_dir / name).unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        protocol.write_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
+        protocol.write_atomic(
+            protocol.config_path(self.run_dir), self.config.model_dump_json(indent=2)
+        )
         self._launch()
         self._ready_by = time.monotonic() + self.startup_timeout_s
 

@@ -38,12 +38,11 @@ from lockgate.gateway.viewer.routes import Viewer, ViewerSource, viewer_routes
 
 def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> FastAPI:
     gateway = Gateway(config, http)
-    # The run dir holds the store and metrics.jsonl side by side (coordinator/launch/local.py).
     viewer = Viewer(
         ViewerSource(
             db_path=config.db_path,
             admin_token=config.admin_token,
-            metrics_path=config.db_path.parent / "metrics.jsonl",
+            metrics_path=config.metrics_path,
             model_dir=config.model_dir,
             status=gateway.status,
             title=f"lockgate gateway: {config.model_name}",
