@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from lockgate.agent_runtime import RolloutContext, Task, run_rollout
 from lockgate.agent_runtime.connections import close_shared_transport
+from lockgate.coordinator.run_dir import RunDir
 from lockgate.examples.deepresearch.agent import AgentConfig, Tools
 from lockgate.examples.deepresearch.data import HELDOUT, MANIFEST, build_cpu_kb, load_questions
 from lockgate.examples.deepresearch.env import question_task, task_episode
@@ -317,7 +318,7 @@ def _run(args: argparse.Namespace) -> int:
     args.questions = args.questions or kb / HELDOUT
     corpus = args.corpus or kb / "corpus.jsonl"
     # One evaluation, one store: a rerun into the same work dir starts it afresh.
-    for stale in args.work_dir.glob("trajectories.sqlite*"):
+    for stale in args.work_dir.glob(RunDir(args.work_dir).store.name + "*"):
         stale.unlink()
     with serve_model(
         args.model,

@@ -20,6 +20,7 @@ import httpx
 
 from lockgate.coordinator.launch.gateway import GatewayProcess
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.run_dir import RunDir
 from lockgate.examples.deepresearch.retrieval.launcher import RetrievalService
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
@@ -54,13 +55,14 @@ def serve_model(
     replica_urls: Sequence[str] = (),
     weights_version: int = 0,
 ) -> Iterator[Served]:
-    """Retrieval, replicas and a gateway for `model_dir`; logs and the store in `work_dir`.
+    """Retrieval, replicas and a gateway for `model_dir`; logs and the store in `work_dir`,
+    laid out as a run dir's (so `lockgate view WORK_DIR` opens the store).
 
     With `replica_urls` no replica is started: those serve, holding the weights of
     `weights_version` (the gateway labels its records with it; `model_dir` gives the tokenizer
     and chat template)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    logs = work_dir / "logs"
+    logs = RunDir(work_dir).logs
     with contextlib.ExitStack() as stack:
         if retrieval_url is not None:
             service = RetrievalService.external(retrieval_url)
@@ -82,7 +84,7 @@ def serve_model(
             GatewayConfig(
                 model_dir=model_dir,
                 replicas=urls,
-                db_path=work_dir / "trajectories.sqlite",
+                db_path=RunDir(work_dir).store,
                 admin_token=token,
                 max_model_len=max_model_len,
                 sampling=SamplingPolicy(mode="honor"),
