@@ -16,8 +16,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lockgate.coordinator.loop.advantages import AdvantageEstimator
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
+from lockgate.gateway.records.advantages import AdvantageEstimator
 from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
 
@@ -273,7 +273,7 @@ class AlgorithmSection(BaseModel):
         ge=0.0,
         le=1.0,
         description="Scales the advantages below zero: 1 is the estimator as it is, 0 trains on "
-        "the rollouts better than their group only (coordinator/loop/advantages.py).",
+        "the rollouts better than their group only (gateway/records/advantages.py).",
     )
     entropy_coef: float = Field(
         default=0.0,

@@ -17,12 +17,15 @@ The rooms, each a sub-package whose door says what it holds; each imports the fo
 own modules and only the rooms listed after it:
 
 - `api/`: the HTTP app, its routes, the answers (JSON, SSE): calls, sync, replicas, store,
-  viewer
+  viewer, records
 - `viewer/`: the trajectory viewer and run dashboard (`/ui/`), reading the store's file on
-  its own read-only connections: nothing more
-- `calls/`: one call from request to durable record, no HTTP: replicas, store
+  its own read-only connections: records
+- `calls/`: one call from request to durable record, no HTTP: replicas, store, records
 - `sync/`: weight sync, the gateway's side, and the transports: replicas
-- `store/`: the SQLite trajectory store: nothing more
+- `store/`: the SQLite trajectory store: records
+- `records/`: the pure formats and arithmetic of what a run records (a call's row, calls
+  merged into samples, advantages, metrics.jsonl), shared by the store, the viewer and the
+  coordinator: nothing more (`config` takes `AdvantageSpec` from it)
 - `replicas/`: reaching the replicas: HTTP clients, pool, routing, pause gate, generation
 - `vllm_ext/`: code vLLM loads into the replicas' own processes (worker extension, pause
   route): nothing of the gateway process's. The gateway process reads two torch-free modules

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lockgate.gateway.records.advantages import AdvantageSpec
+
 
 class SamplingPolicy(BaseModel):
     """What the run needs from sampling, whatever the agent asks for.
@@ -140,4 +142,9 @@ class GatewayConfig(BaseModel):
         default=None,
         description="HF snapshot the replicas serve at start (default: model_dir when "
         "initial_version is 0). A weight load that fails on every replica restores it.",
+    )
+    advantages: AdvantageSpec | None = Field(
+        default=None,
+        description="How the run computes advantages, so the viewer shows what was trained on; "
+        "None outside a training run: the viewer then shows GRPO.",
     )

@@ -238,12 +238,6 @@ class CallRecord(BaseModel):
         model's, not those of the distribution the tokens were drawn from."""
         return "structured_outputs" in self.sampling
 
-    def token_versions(self) -> list[int]:
-        out = [-1] * len(self.completion_ids)
-        for span in self.versions:
-            out[span.start : span.end] = [span.version] * (span.end - span.start)
-        return out
-
 
 SessionStatus = Literal["open", "finished", "failed"]
 
@@ -262,8 +256,9 @@ class SessionInfo(BaseModel):
     rerender_splits: int
 
 
-class TrainingSample(BaseModel):
-    """One merged token sequence of a session; all per-token lists have the same length."""
+class TrajectorySample(BaseModel):
+    """One merged token sequence of a session (records/merge.py), from which the coordinator
+    builds the trainer's samples; all per-token lists have the same length."""
 
     input_ids: list[int]
     loss_mask: list[int]  # 1 on sampled tokens only
@@ -274,7 +269,7 @@ class TrainingSample(BaseModel):
 
 class SessionSamples(BaseModel):
     session: SessionInfo
-    samples: list[TrainingSample]
+    samples: list[TrajectorySample]
     splits: int  # calls that did not extend the previous call's tokens and began a new sample
 
 

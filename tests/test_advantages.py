@@ -7,14 +7,14 @@ from typing import get_args
 
 import pytest
 
-from lockgate.coordinator.loop.advantages import (
+from lockgate.coordinator.loop.groups import Group, Rollout, group_to_train_samples
+from lockgate.gateway.records.advantages import (
     AdvantageEstimator,
     compute_advantages,
     rloo_advantages,
     weigh_negatives,
 )
-from lockgate.coordinator.loop.groups import Group, Rollout, group_to_train_samples
-from lockgate.gateway.schema import SessionInfo, SessionSamples, TrainingSample
+from lockgate.gateway.schema import SessionInfo, SessionSamples, TrajectorySample
 
 CENTRING_ONLY: tuple[AdvantageEstimator, ...] = ("grpo_no_std", "dr_grpo")
 
@@ -83,7 +83,7 @@ def _group_of_rewards(rewards: list[float]) -> Group:
             reward=reward, error=None, created_at=0.0, finished_at=0.0, num_calls=1,
             rerender_splits=0,
         )  # fmt: skip
-        sample = TrainingSample(
+        sample = TrajectorySample(
             input_ids=[7, 8, 9], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, versions=[-1, 0, 0],
             call_indices=[0],
         )  # fmt: skip

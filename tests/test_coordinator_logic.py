@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from lockgate.coordinator.loop.advantages import grpo_advantages
 from lockgate.coordinator.loop.staleness import StalenessController
+from lockgate.gateway.records.advantages import grpo_advantages
 
 
 def test_grpo_advantages_match_a_hand_computed_reference() -> None:

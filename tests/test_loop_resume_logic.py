@@ -37,7 +37,7 @@ from lockgate.gateway.schema import (
     SessionInfo,
     SessionSamples,
     StageReport,
-    TrainingSample,
+    TrajectorySample,
     WeightsLayout,
 )
 from lockgate.trainer.batch import StepResult, TrainBatch
@@ -90,7 +90,7 @@ class FakeGateway:
 
     async def samples(self, sid: str) -> SessionSamples:
         v = self._token_version[sid]
-        sample = TrainingSample(
+        sample = TrajectorySample(
             input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
             versions=[-1, v, v], call_indices=[0],
         )  # fmt: skip

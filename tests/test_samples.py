@@ -1,4 +1,4 @@
-from lockgate.gateway.calls.samples import merge_calls
+from lockgate.gateway.records.merge import merge_calls
 from lockgate.gateway.schema import CallRecord, VersionSpan
 
 

@@ -22,7 +22,7 @@ from lockgate.coordinator.loop.staleness import (
 )
 from lockgate.coordinator.loop.state import LoopState
 from lockgate.coordinator.run_dir import RunDir
-from lockgate.gateway.schema import SessionInfo, SessionSamples, TrainingSample
+from lockgate.gateway.schema import SessionInfo, SessionSamples, TrajectorySample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def _rollout(versions: list[int], reward: float = 1.0) -> Rollout:
         session_id="s", task_id="t", group_id="g", metadata={}, status="finished", reward=reward,
         error=None, created_at=0.0, finished_at=0.0, num_calls=1, rerender_splits=0,
     )  # fmt: skip
-    sample = TrainingSample(
+    sample = TrajectorySample(
         input_ids=[7] * (len(versions) + 1),
         loss_mask=[0] + [1] * len(versions),
         logprobs=[0.0] * (len(versions) + 1),

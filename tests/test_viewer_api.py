@@ -16,6 +16,7 @@ from test_gateway_edges import ADMIN, Harness, _admin, harness  # noqa: F401
 from viewer_fixtures import build_store
 
 from lockgate.coordinator.cli.main import main as cli_main
+from lockgate.gateway.records.advantages import AdvantageSpec, trained_advantages
 from lockgate.gateway.viewer.routes import COOKIE
 from lockgate.gateway.viewer.serve import create_view_app, find_run_files
 
@@ -197,6 +198,36 @@ async def test_lockgate_view_serves_a_finished_run_read_only(
         assert overview["extra"]["read_only"] and overview["gateway"] is None
     after = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in run.iterdir()}
     assert after == before  # nothing written, not even a -wal or -shm file
+
+
+async def test_lockgate_view_shows_the_advantages_the_run_trained_with(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    run = _run_dir(tmp_path, tiny_model_dir)
+    config = run / "gateway_config.json"
+    spec = {"estimator": "rloo", "negative_advantage_weight": 0.3}
+    config.write_text(json.dumps({"model_dir": str(tiny_model_dir), "advantages": spec}))
+    files = find_run_files(run)
+    assert files.advantages == AdvantageSpec(**spec)
+    app = create_view_app(files, "view-token-123")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://view"
+    ) as c:
+        h = {"Authorization": "Bearer view-token-123"}
+        page = (await c.get("/ui/api/sessions", params={"group": "g-arith-1-0"}, headers=h)).json()
+        sid = page["sessions"][0]["id"]
+        detail = (await c.get(f"/ui/api/sessions/{sid}", headers=h)).json()
+    assert detail["advantages"] == spec
+    rewards = [g["reward"] for g in detail["group"]]
+    assert [g["advantage"] for g in detail["group"]] == pytest.approx(
+        trained_advantages(rewards, AdvantageSpec(**spec))
+    )
+    # A spec that does not parse is a one-line error, never GRPO shown in its place.
+    config.write_text(json.dumps({"advantages": {"estimator": "ppo"}}))
+    with pytest.raises(ValueError, match=r"advantages\.estimator"):
+        find_run_files(run)
+    config.write_text(json.dumps({"model_dir": str(tiny_model_dir)}))  # a run from before
+    assert find_run_files(run).advantages is None
 
 
 def test_a_closed_store_leaves_no_files_and_a_writer_opening_it_later_is_seen(

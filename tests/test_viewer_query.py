@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 from viewer_fixtures import Built, build_store, call
 
-from lockgate.coordinator.loop.advantages import compute_advantages
-from lockgate.gateway.calls.samples import merge_calls
+from lockgate.gateway.records.advantages import (
+    AdvantageSpec,
+    compute_advantages,
+    member_advantages,
+)
+from lockgate.gateway.records.codecs import token_versions
+from lockgate.gateway.records.merge import merge_calls
 from lockgate.gateway.store.trajectories import TrajectoryStore
 from lockgate.gateway.viewer import query
 from lockgate.gateway.viewer.routes import open_read_only
@@ -160,7 +165,7 @@ def test_session_view_agrees_with_the_trainers_samples(
         assert shown == [s.input_ids for s in samples]
         for c, rec in zip(detail.calls, records, strict=True):
             assert c.logprobs == rec.logprobs  # float64, bit-exact
-            assert c.versions == rec.token_versions()
+            assert c.versions == token_versions(rec.versions, len(rec.completion_ids))
             assert c.prompt_total == len(rec.prompt_ids)
         cut_call = detail.calls[1]
         assert cut_call.cuts == ([4] if facts["kind"] == "cut" else [])
@@ -178,15 +183,35 @@ def test_group_advantages_match_the_coordinators(conn: sqlite3.Connection, built
     assert detail is not None
     rewards = [g.reward for g in detail.group]
     assert sorted(rewards) == [0.0, 0.5, 1.0, 1.0]
-    assert [g.advantage_grpo for g in detail.group] == pytest.approx(
-        compute_advantages(rewards, "grpo")
+    # Outside a training run (no spec given): GRPO.
+    assert detail.advantages == AdvantageSpec()
+    assert [g.advantage for g in detail.group] == pytest.approx(compute_advantages(rewards, "grpo"))
+    rloo = query.session_detail(conn, sid, advantages=AdvantageSpec(estimator="rloo"))
+    assert rloo is not None and rloo.advantages.estimator == "rloo"
+    assert [g.advantage for g in rloo.group] == pytest.approx(compute_advantages(rewards, "rloo"))
+    # The run's spec whole: the estimator, then the weight on negative advantages.
+    spec = AdvantageSpec(estimator="grpo_no_std", negative_advantage_weight=0.3)
+    shaped = query.session_detail(conn, sid, advantages=spec)
+    assert shaped is not None and shaped.advantages == spec
+    centred = [r - 0.625 for r in rewards]
+    assert [g.advantage for g in shaped.group] == pytest.approx(
+        [a if a >= 0 else 0.3 * a for a in centred]
     )
-    assert [g.advantage_rloo for g in detail.group] == pytest.approx(
-        compute_advantages(rewards, "rloo")
+    # Sessions the coordinator leaves out (failed, or open: no reward yet) get no advantage;
+    # the others are computed among themselves.
+    mixed = member_advantages(
+        [("finished", 1.0), ("open", None), ("failed", 0.5), ("finished", 0.0)], AdvantageSpec()
     )
-    # Sessions without a reward yet get no advantage; the others are computed among themselves.
-    grpo, _ = query.advantages([1.0, None, 0.0])
-    assert grpo[1] is None and grpo[0] == pytest.approx(1.0, abs=1e-5)
+    assert mixed[1] is None and mixed[2] is None
+    assert mixed[0] == pytest.approx(1.0, abs=1e-5) and mixed[3] == pytest.approx(-1.0, abs=1e-5)
+    sid = next(iter(built.ids(group="g-search-2-0")))
+    detail = query.session_detail(conn, sid)
+    assert detail is not None
+    assert {g.status: g.advantage for g in detail.group} == {
+        "finished": 0.0,
+        "failed": None,
+        "open": None,
+    }
 
 
 def test_token_texts_come_from_the_tokenizer(

@@ -14,6 +14,7 @@ from lockgate.coordinator.config import GatewaySection, RunConfig
 from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.records.advantages import AdvantageSpec
 
 
 def run_dir_of(config: RunConfig) -> Path:
@@ -44,6 +45,10 @@ def gateway_config_of(
         max_pause_wait_s=config.gateway.max_pause_wait_s,
         limits=config.gateway.limits,
         partial_rollout=config.sync.partial_rollout,
+        advantages=AdvantageSpec(
+            estimator=config.algorithm.advantage_estimator,
+            negative_advantage_weight=config.algorithm.negative_advantage_weight,
+        ),
     )
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lockgate.coordinator.loop.advantages import (
+from lockgate.gateway.records.advantages import (
     AdvantageEstimator,
-    compute_advantages,
-    weigh_negatives,
+    AdvantageSpec,
+    trained_advantages,
 )
 from lockgate.gateway.schema import SessionSamples
 from lockgate.trainer.batch import TrainSample
@@ -58,7 +58,8 @@ def drop_reason(group: Group, *, min_group_size: int, drop_zero_variance: bool) 
 def group_to_train_samples(
     group: Group, *, estimator: AdvantageEstimator = "grpo", negative_weight: float = 1.0
 ) -> list[TrainSample]:
-    advantages = weigh_negatives(compute_advantages(group.rewards, estimator), negative_weight)
+    spec = AdvantageSpec(estimator=estimator, negative_advantage_weight=negative_weight)
+    advantages = trained_advantages(group.rewards, spec)
     out: list[TrainSample] = []
     for rollout, adv in zip(group.rollouts, advantages, strict=True):
         for sample in rollout.samples.samples:

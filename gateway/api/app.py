@@ -45,6 +45,7 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
             metrics_path=config.metrics_path,
             model_dir=config.model_dir,
             status=gateway.status,
+            advantages=config.advantages,
             title=f"lockgate gateway: {config.model_name}",
         )
     )

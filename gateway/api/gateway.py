@@ -24,10 +24,10 @@ from lockgate.gateway.api.session_keys import (
 )
 from lockgate.gateway.calls.pipeline import CallPipeline
 from lockgate.gateway.calls.rendering import ChatRenderer
-from lockgate.gateway.calls.samples import merge_calls
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import not_found, unauthorized
 from lockgate.gateway.metrics import GatewayMetrics
+from lockgate.gateway.records.merge import merge_calls
 from lockgate.gateway.replicas.http1 import Http1Upstream
 from lockgate.gateway.replicas.pause import PauseGate
 from lockgate.gateway.replicas.pool import ReplicaPool

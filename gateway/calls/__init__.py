@@ -10,7 +10,6 @@
 - `tokenizer.py`: the Rust tokenizer in the shape `renderers` takes
 - `constraints.py`: `tool_choice` required / named, as xgrammar structural tags
 - `stops.py`: `stop` strings, watched by the gateway
-- `samples.py`: a session's calls merged into training samples (pure)
 
 May import: replicas (generation across segments), store (the records) and the foundation.
 """

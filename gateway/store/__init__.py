@@ -3,5 +3,5 @@
 - `trajectories.py`: `TrajectoryStore` (group-committed, durable before the answer), `SessionRow`
 - `thread.py`: `StoreThread`, the one thread that owns the SQLite connection
 
-May import: the foundation (schema) only.
+May import: the foundation (schema) and records (a call's row layout, `records/codecs.py`).
 """

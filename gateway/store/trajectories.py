@@ -12,8 +12,8 @@ commit, and under load a call waits at most for the commit in progress plus its 
 window is bounded by two commits; a batch holds at most `MAX_BATCH` records). Nothing of a call
 stays in memory once it is written.
 
-Token ids and logprobs are stored as packed arrays (int32 / float64), not JSON: they are the bulk
-of every row, and float64 keeps vLLM's logprobs bit-exact.
+A call's row is laid out by `records/codecs.py` (token ids and logprobs as packed arrays, not
+JSON), which the viewer reads the same file with.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import asyncio
 import json
 import sqlite3
 import time
-from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lockgate.gateway.schema import CallRecord, SessionInfo, VersionSpan
+from lockgate.gateway.records.codecs import CALL_COLUMNS, call_from_row, call_to_row
+from lockgate.gateway.schema import CallRecord, SessionInfo
 from lockgate.gateway.store.thread import StoreThread
 
 T = TypeVar("T")
@@ -81,26 +81,9 @@ CREATE INDEX IF NOT EXISTS sessions_finished ON sessions(finished_at);
 CREATE INDEX IF NOT EXISTS calls_interrupted ON calls(session_id) WHERE interruptions > 0;
 CREATE INDEX IF NOT EXISTS calls_versions ON calls(session_id, versions);
 """
-
-
-def _pack_ints(values: list[int]) -> bytes:
-    return array("i", values).tobytes()
-
-
-def _unpack_ints(blob: bytes) -> list[int]:
-    out = array("i")
-    out.frombytes(blob)
-    return out.tolist()
-
-
-def _pack_floats(values: list[float]) -> bytes:
-    return array("d", values).tobytes()
-
-
-def _unpack_floats(blob: bytes) -> list[float]:
-    out = array("d")
-    out.frombytes(blob)
-    return out.tolist()
+# A call's row in the order records/codecs.py lays it out (`CALL_COLUMNS`, the table's order).
+_CALL_COLUMNS = ", ".join(CALL_COLUMNS)
+_INSERT_CALL = f"INSERT INTO calls ({_CALL_COLUMNS}) VALUES ({', '.join('?' * len(CALL_COLUMNS))})"
 
 
 class SessionRow:
@@ -293,39 +276,22 @@ class TrajectoryStore:
     async def get_calls(self, session_id: str) -> list[CallRecord]:
         def _select(conn: sqlite3.Connection) -> list[CallRecord]:
             rows = conn.execute(
-                "SELECT * FROM calls WHERE session_id = ? ORDER BY idx", (session_id,)
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE session_id = ? ORDER BY idx",
+                (session_id,),
             ).fetchall()
-            return [_call_from_row(row) for row in rows]
+            return [call_from_row(row) for row in rows]
 
         return await self._run(_select)
 
     async def last_call(self, session_id: str) -> CallRecord | None:
         def _select(conn: sqlite3.Connection) -> CallRecord | None:
             row = conn.execute(
-                "SELECT * FROM calls WHERE session_id = ? ORDER BY idx DESC LIMIT 1", (session_id,)
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE session_id = ? ORDER BY idx DESC LIMIT 1",
+                (session_id,),
             ).fetchone()
-            return None if row is None else _call_from_row(row)
+            return None if row is None else call_from_row(row)
 
         return await self._run(_select)
-
-
-def _call_row(call: CallRecord) -> tuple[Any, ...]:
-    return (
-        call.session_id,
-        call.index,
-        json.dumps(call.request),
-        json.dumps(call.sampling),
-        _pack_ints(call.prompt_ids),
-        _pack_ints(call.completion_ids),
-        _pack_floats(call.logprobs),
-        json.dumps([s.model_dump() for s in call.versions]),
-        call.finish_reason,
-        call.replica,
-        call.started_at,
-        call.ended_at,
-        call.interruptions,
-        int(call.extends_previous),
-    )
 
 
 def _write_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> None:
@@ -333,8 +299,8 @@ def _write_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> None:
     conn.execute("BEGIN")
     try:
         conn.executemany(
-            "INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [_call_row(c) for c in calls],
+            _INSERT_CALL,
+            [call_to_row(c) for c in calls],
         )
         conn.executemany(
             "UPDATE sessions SET num_calls = num_calls + 1,"
@@ -364,22 +330,3 @@ def _insert_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> list[Exc
         except Exception as exc:
             errors.append(exc)
     return errors
-
-
-def _call_from_row(row: tuple[Any, ...]) -> CallRecord:
-    return CallRecord(
-        session_id=row[0],
-        index=row[1],
-        request=json.loads(row[2]),
-        sampling=json.loads(row[3]),
-        prompt_ids=_unpack_ints(row[4]),
-        completion_ids=_unpack_ints(row[5]),
-        logprobs=_unpack_floats(row[6]),
-        versions=[VersionSpan(**span) for span in json.loads(row[7])],
-        finish_reason=row[8],
-        replica=row[9],
-        started_at=row[10],
-        ended_at=row[11],
-        interruptions=row[12],
-        extends_previous=bool(row[13]),
-    )

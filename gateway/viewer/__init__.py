@@ -9,6 +9,8 @@
 - `serve.py`: `lockgate view`'s app on a run dir's store
 - `static/`: the page, its styles and script (no build step)
 
-May import: the foundation only (it reads the store's file with its own SQL); `api` mounts it.
+May import: the foundation and records (it reads the store's file with its own SQL, through
+the store's row layout, merging rule and the run's advantages in gateway/records, never the
+store itself, which would open a writer); `api` mounts it.
 docs/viewer.md describes what it shows and how it stays off the gateway's hot path.
 """

@@ -9,20 +9,32 @@
 - `changes_since`: what was added or finished since a cursor, for the live feed.
 
 The viewer reads on its own read-only connection (routes.py); these functions never write.
-How calls merge into samples mirrors `gateway/calls/samples.py` (`merge_calls`), which the
-trainer's samples come from; tests/test_viewer_query.py checks the two agree.
+What the run trains on comes from the store's pure parts (gateway/records), which the viewer
+shares with the store and the coordinator rather than copying: the row layout, how calls merge
+into samples, and the advantages under the run's `AdvantageSpec` over the rollouts the
+coordinator counts. Rollouts the coordinator dropped afterwards as too stale are not in the
+store, so they still count in a group's advantages here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sqlite3
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from lockgate.gateway.records.advantages import AdvantageSpec, member_advantages
+from lockgate.gateway.records.codecs import (
+    CALL_COLUMNS,
+    call_from_row,
+    token_versions,
+    unpack_spans,
+    version_marker,
+)
+from lockgate.gateway.records.merge import Placement, SampleMerger
+from lockgate.gateway.schema import CallRecord
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
@@ -52,7 +64,9 @@ class SessionFilter(BaseModel):
     )
 
 
-class SessionRow(BaseModel):
+class SessionSummary(BaseModel):
+    """A session as the list shows it: its row and what its calls add up to."""
+
     id: str
     task_id: str
     group_id: str | None
@@ -71,7 +85,7 @@ class SessionRow(BaseModel):
 
 
 class SessionPage(BaseModel):
-    sessions: list[SessionRow]
+    sessions: list[SessionSummary]
     next_cursor: str | None  # pass as `cursor` for the next (older) page; None at the end
 
 
@@ -113,14 +127,16 @@ class GroupMember(BaseModel):
     id: str
     status: str
     reward: float | None
-    advantage_grpo: float | None  # (r - mean) / (std + 1e-6), population std
-    advantage_rloo: float | None  # r - mean of the others' rewards
+    # Under the run's AdvantageSpec, over the members that finished with a reward (the
+    # rollouts the coordinator counts); None for the others.
+    advantage: float | None
 
 
 class SessionDetail(BaseModel):
-    session: SessionRow
+    session: SessionSummary
     metadata: dict[str, Any]
     group: list[GroupMember]
+    advantages: AdvantageSpec  # how the group's advantages are computed: the run's own
     calls: list[CallView]
     samples: int
     tokens: dict[int, str]  # text of every token id shown (empty without a tokenizer)
@@ -148,7 +164,7 @@ class Cursor(BaseModel):
 class Changes(BaseModel):
     cursor: str
     changed: list[str]  # ids of every session added, called or finished since the cursor
-    sessions: list[SessionRow]  # of those, the ones the filter matches, newest first
+    sessions: list[SessionSummary]  # of those, the ones the filter matches, newest first
     truncated: bool  # more changed than MAX_CHANGES: reload the page instead
 
 
@@ -189,12 +205,11 @@ def _where(f: SessionFilter) -> tuple[list[str], list[Any]]:
         exists = "EXISTS (SELECT 1 FROM calls c WHERE c.session_id = s.id AND c.interruptions > 0)"
         conds.append(exists if f.interrupted else f"NOT {exists}")
     if f.version is not None:
-        # The store writes spans as json.dumps of {"version", "start", "end"} in that order
-        # (store/trajectories.py); a substring test skips parsing every call's JSON.
+        # A substring test on the packed spans skips parsing every call's JSON.
         conds.append(
             "EXISTS (SELECT 1 FROM calls c WHERE c.session_id = s.id AND instr(c.versions, ?) > 0)"
         )
-        params.append(f'"version": {f.version},')
+        params.append(version_marker(f.version))
     return conds, params
 
 
@@ -230,7 +245,7 @@ def list_sessions(
 
 def _rows_by_id(
     conn: sqlite3.Connection, ids: Sequence[str], filters: SessionFilter | None = None
-) -> list[SessionRow]:
+) -> list[SessionSummary]:
     if not ids:
         return []
     conds, params = _where(filters or SessionFilter())
@@ -242,7 +257,9 @@ def _rows_by_id(
     return _with_call_stats(conn, rows)
 
 
-def _with_call_stats(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[SessionRow]:
+def _with_call_stats(
+    conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]
+) -> list[SessionSummary]:
     """The list's rows with what only the calls hold, at a cost independent of how many calls
     a session has: its interruptions (from the partial index of interrupted calls) and the
     versions of its first and last call (two primary-key lookups)."""
@@ -264,10 +281,10 @@ def _with_call_stats(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) 
             " (SELECT versions FROM calls WHERE session_id = ?1 ORDER BY idx DESC LIMIT 1)",
             (row[1],),
         ).fetchone()
-        first_spans = json.loads(first) if first else []
-        last_spans = json.loads(last) if last else []
+        first_spans = unpack_spans(first) if first else []
+        last_spans = unpack_spans(last) if last else []
         out.append(
-            SessionRow(
+            SessionSummary(
                 id=row[1],
                 task_id=row[2],
                 group_id=row[3],
@@ -279,8 +296,8 @@ def _with_call_stats(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) 
                 num_calls=row[9],
                 rerender_splits=row[10],
                 interruptions=interruptions.get(row[1], 0),
-                first_version=first_spans[0]["version"] if first_spans else None,
-                last_version=last_spans[-1]["version"] if last_spans else None,
+                first_version=first_spans[0].version if first_spans else None,
+                last_version=last_spans[-1].version if last_spans else None,
             )
         )
     return out
@@ -288,18 +305,6 @@ def _with_call_stats(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) 
 
 # ---------------------------------------------------------------------------------------------
 # One session
-
-
-def _ints(blob: bytes) -> list[int]:
-    out = array("i")
-    out.frombytes(blob)
-    return out.tolist()
-
-
-def _floats(blob: bytes) -> list[float]:
-    out = array("d")
-    out.frombytes(blob)
-    return out.tolist()
 
 
 def _text(content: Any) -> str:
@@ -339,52 +344,63 @@ def _new_messages(request: dict[str, Any], previous: dict[str, Any] | None) -> l
     return [_message(m) for m in messages]
 
 
-def _token_versions(spans: list[dict[str, int]], n: int) -> list[int]:
-    out = [-1] * n
-    for span in spans:
-        out[span["start"] : span["end"]] = [span["version"]] * (span["end"] - span["start"])
-    return out
-
-
 def _cuts(versions: list[int]) -> list[int]:
     return [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
 
 
-def _extends(prompt: list[int], prefix: list[int]) -> bool:
-    return len(prompt) >= len(prefix) and prompt[: len(prefix)] == prefix
+def _call_view(call: CallRecord, placed: Placement, previous: dict[str, Any] | None) -> CallView:
+    """One call as the model saw it, placed in its session's samples by the merging rule."""
+    tools = call.request.get("tools") if isinstance(call.request.get("tools"), list) else []
+    versions = token_versions(call.versions, len(call.completion_ids))
+    return CallView(
+        index=call.index,
+        finish_reason=call.finish_reason,
+        replica=call.replica,
+        started_at=call.started_at,
+        ended_at=call.ended_at,
+        interruptions=call.interruptions,
+        extends_previous=call.extends_previous,
+        constrained=call.constrained,
+        sampling=call.sampling,
+        tools=[str((t.get("function") or {}).get("name", "?")) for t in tools],
+        messages=_new_messages(call.request, previous),
+        new_sample=placed.new_sample,
+        split=placed.split,
+        trained=placed.trained,
+        prompt_total=len(call.prompt_ids),
+        prompt_ids=call.prompt_ids[placed.new_from :],
+        completion_ids=call.completion_ids,
+        logprobs=call.logprobs,
+        versions=versions,
+        loss_mask=[1 if placed.trained else 0] * len(call.completion_ids),
+        cuts=_cuts(versions),
+    )
 
 
-def advantages(rewards: Sequence[float | None]) -> tuple[list[float | None], list[float | None]]:
-    """GRPO's and RLOO's advantage of each reward, over the rewards the group has so far
-    (coordinator/loop/advantages.py is what the run trains with; this is its arithmetic)."""
-    known = [r for r in rewards if r is not None]
-    if not known:
-        return [None] * len(rewards), [None] * len(rewards)
-    n = len(known)
-    mean = sum(known) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in known) / n)
-    total = sum(known)
-    grpo = [None if r is None else (r - mean) / (std + 1e-6) for r in rewards]
-    rloo = [None if r is None else (r - (total - r) / (n - 1) if n > 1 else 0.0) for r in rewards]
-    return grpo, rloo
+def _group(rows: Sequence[tuple[str, str, float | None]], spec: AdvantageSpec) -> list[GroupMember]:
+    advantages = member_advantages([(status, reward) for _, status, reward in rows], spec)
+    return [
+        GroupMember(id=sid, status=status, reward=reward, advantage=advantage)
+        for (sid, status, reward), advantage in zip(rows, advantages, strict=True)
+    ]
 
 
-def session_detail(
-    conn: sqlite3.Connection, session_id: str, texts: TextsOf | None = None
-) -> SessionDetail | None:
-    conn.execute("BEGIN")  # one snapshot: the session, its calls and its group agree
+_CALLS_OF = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls WHERE session_id = ? ORDER BY idx"
+
+
+def _read_session(
+    conn: sqlite3.Connection, session_id: str
+) -> tuple[SessionSummary, str, list[CallRecord], list[tuple[str, str, float | None]]] | None:
+    """A session's summary, metadata (JSON), calls and its group's (id, status, reward), read
+    in one snapshot so that they agree; None for an unknown session."""
+    conn.execute("BEGIN")
     try:
         row = conn.execute(
             f"SELECT {_ROW_COLUMNS}, s.metadata FROM sessions s WHERE s.id = ?", (session_id,)
         ).fetchone()
         if row is None:
             return None
-        call_rows = conn.execute(
-            "SELECT idx, request, sampling, prompt_ids, completion_ids, logprobs, versions,"
-            " finish_reason, replica, started_at, ended_at, interruptions, extends_previous"
-            " FROM calls WHERE session_id = ? ORDER BY idx",
-            (session_id,),
-        ).fetchall()
+        calls = [call_from_row(r) for r in conn.execute(_CALLS_OF, (session_id,))]
         group_rows = (
             conn.execute(
                 "SELECT id, status, reward FROM sessions WHERE group_id = ? ORDER BY rowid",
@@ -394,81 +410,38 @@ def session_detail(
             else [(row[1], row[4], row[5])]
         )
         (session,) = _with_call_stats(conn, [row[:-1]])
+        return session, row[-1], calls, group_rows
     finally:
         conn.execute("COMMIT")
+
+
+def session_detail(
+    conn: sqlite3.Connection,
+    session_id: str,
+    texts: TextsOf | None = None,
+    advantages: AdvantageSpec | None = None,
+) -> SessionDetail | None:
+    """One session call by call, and its group's advantages under `advantages` (the run's;
+    None: GRPO, what a gateway outside a training run shows)."""
+    read = _read_session(conn, session_id)
+    if read is None:
+        return None
+    session, metadata, records, group_rows = read
+    merger = SampleMerger()  # the rule the coordinator's samples come from
     calls: list[CallView] = []
-    sample: list[int] | None = None  # the tokens of the sample being built, as merge_calls
-    samples = 0
-    previous_request: dict[str, Any] | None = None
-    for (
-        idx,
-        request_json,
-        sampling_json,
-        prompt_blob,
-        completion_blob,
-        logprob_blob,
-        versions_json,
-        finish_reason,
-        replica,
-        started_at,
-        ended_at,
-        interruptions,
-        extends_previous,
-    ) in call_rows:
-        request = json.loads(request_json)
-        sampling = json.loads(sampling_json)
-        prompt, completion = _ints(prompt_blob), _ints(completion_blob)
-        versions = _token_versions(json.loads(versions_json), len(completion))
-        trained = finish_reason != "interrupted"
-        extends = sample is not None and _extends(prompt, sample)
-        shown = prompt[len(sample) :] if extends and sample is not None else prompt
-        if trained:
-            if extends and sample is not None:
-                sample.extend(shown)
-            else:
-                sample = list(prompt)
-                samples += 1
-            sample.extend(completion)
-        tools = request.get("tools") if isinstance(request.get("tools"), list) else []
-        calls.append(
-            CallView(
-                index=idx,
-                finish_reason=finish_reason,
-                replica=replica,
-                started_at=started_at,
-                ended_at=ended_at,
-                interruptions=interruptions,
-                extends_previous=bool(extends_previous),
-                constrained="structured_outputs" in sampling,
-                sampling=sampling,
-                tools=[str((t.get("function") or {}).get("name", "?")) for t in tools],
-                messages=_new_messages(request, previous_request),
-                new_sample=trained and not extends,
-                split=trained and not extends and samples > 1,
-                trained=trained,
-                prompt_total=len(prompt),
-                prompt_ids=shown,
-                completion_ids=completion,
-                logprobs=_floats(logprob_blob),
-                versions=versions,
-                loss_mask=[1 if trained else 0] * len(completion),
-                cuts=_cuts(versions),
-            )
-        )
-        previous_request = request
-    rewards = [r[2] for r in group_rows]
-    grpo, rloo = advantages(rewards)
-    group = [
-        GroupMember(id=r[0], status=r[1], reward=r[2], advantage_grpo=g, advantage_rloo=o)
-        for r, g, o in zip(group_rows, grpo, rloo, strict=True)
-    ]
+    previous: dict[str, Any] | None = None
+    for call in records:
+        calls.append(_call_view(call, merger.add(call), previous))
+        previous = call.request
+    spec = advantages or AdvantageSpec()
     shown_ids = {t for c in calls for ids in (c.prompt_ids, c.completion_ids) for t in ids}
     return SessionDetail(
         session=session,
-        metadata=json.loads(row[-1]),
-        group=group,
+        metadata=json.loads(metadata),
+        group=_group(group_rows, spec),
+        advantages=spec,
         calls=calls,
-        samples=samples,
+        samples=len(merger.samples),
         tokens=texts(shown_ids) if texts is not None else {},
     )
 

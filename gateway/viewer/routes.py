@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
+from lockgate.gateway.records.advantages import AdvantageSpec
 from lockgate.gateway.viewer import query
 from lockgate.gateway.viewer.run_metrics import MetricsFile
 from lockgate.gateway.viewer.tokens import TokenTexts
@@ -53,6 +54,7 @@ class ViewerSource:
     metrics_path: Path | None = None  # the run's metrics.jsonl, for the dashboard
     model_dir: Path | None = None  # its tokenizer.json gives the token texts
     status: Callable[[], BaseModel] | None = None  # the live gateway's status, if any
+    advantages: AdvantageSpec | None = None  # how the run computes them; None: GRPO
     title: str = "lockgate"
     extra: dict[str, Any] = field(default_factory=dict)  # shown in the header (run dir, ...)
 
@@ -210,6 +212,14 @@ def _bad(exc: Exception) -> Response:
 
 def viewer_routes(viewer: Viewer) -> APIRouter:
     router = APIRouter()
+    _page_routes(router, viewer)
+    _store_routes(router, viewer)
+    _metrics_route(router, viewer)
+    return router
+
+
+def _page_routes(router: APIRouter, viewer: Viewer) -> None:
+    """The page, signing in and out, and the page's static files."""
 
     @router.get("/ui", include_in_schema=False)
     async def ui_root(request: Request) -> Response:
@@ -251,6 +261,11 @@ def viewer_routes(viewer: Viewer) -> APIRouter:
         if kind is None or "/" in name or not path.is_file():
             return _error(404, f"no static file {name!r}", "not_found_error")
         return FileResponse(path, media_type=kind, headers={"cache-control": "no-cache"})
+
+
+def _store_routes(router: APIRouter, viewer: Viewer) -> None:
+    """The page's data from the store: the overview, the sessions list, one session and the
+    live feed, each read on the viewer's threads."""
 
     @router.get("/ui/api/overview")
     async def overview(request: Request) -> Response:
@@ -294,7 +309,7 @@ def viewer_routes(viewer: Viewer) -> APIRouter:
             return _unauthorized()
 
         def read(conn: sqlite3.Connection) -> bytes | None:
-            detail = query.session_detail(conn, session_id, viewer.texts)
+            detail = query.session_detail(conn, session_id, viewer.texts, viewer.source.advantages)
             return None if detail is None else detail.model_dump_json().encode()
 
         body = await viewer.read(read)
@@ -321,6 +336,10 @@ def viewer_routes(viewer: Viewer) -> APIRouter:
         except (ValueError, ValidationError) as exc:
             return _bad(exc)
 
+
+def _metrics_route(router: APIRouter, viewer: Viewer) -> None:
+    """The run's metrics for the dashboard, read on the viewer's threads."""
+
     @router.get("/ui/api/metrics")
     async def metrics(request: Request) -> Response:
         if not viewer.authorized(request):
@@ -329,5 +348,3 @@ def viewer_routes(viewer: Viewer) -> APIRouter:
             await viewer.run(lambda: viewer.metrics.read().model_dump_json()),
             media_type="application/json",
         )
-
-    return router

@@ -193,10 +193,16 @@ function legendHtml() {
   }
   return "p=0 " + [0, 0.25, 0.5, 0.75, 1].map((p) => `<i style="background:${logprobColour(Math.log(p || 1e-9))}"></i>`).join("") + " p=1";
 }
+// How the run computes advantages, as the group table's heading says it.
+function advantageName(spec) {
+  const names = { grpo: "GRPO", grpo_no_std: "GRPO without std", rloo: "RLOO", dr_grpo: "Dr. GRPO" };
+  const name = names[spec.estimator] || spec.estimator;
+  return spec.negative_advantage_weight === 1 ? name : `${name}, negatives × ${fmt(spec.negative_advantage_weight)}`;
+}
 function renderDetail() {
   const d = state.detail, s = d.session;
   const adv = d.group.map((g) => `<tr class="${g.id === s.id ? "self" : ""}" data-id="${esc(g.id)}"><td class="mono">${esc(g.id.slice(0, 8))}</td>` +
-    `<td class="st-${esc(g.status)}">${esc(g.status)}</td><td>${fmt(g.reward)}</td><td>${fmt(g.advantage_grpo)}</td><td>${fmt(g.advantage_rloo)}</td></tr>`).join("");
+    `<td class="st-${esc(g.status)}">${esc(g.status)}</td><td>${fmt(g.reward)}</td><td>${fmt(g.advantage)}</td></tr>`).join("");
   const pane = $("#detail-pane");
   const keepScroll = pane.scrollTop;
   pane.innerHTML =
@@ -209,8 +215,8 @@ function renderDetail() {
     `<div class="controls"><label>colour by <select id="colour"><option value="logprob">logprob</option><option value="version">weight version</option></select></label>` +
     `<label><input type="checkbox" id="mask"${state.mask ? " checked" : ""}> underline the loss mask</label>` +
     `<span class="legend" id="legend">${legendHtml()}</span></div>` +
-    `<details${d.group.length > 1 ? " open" : ""}><summary>group (${d.group.length}) rewards and advantages</summary>` +
-    `<table class="group"><thead><tr><th>session</th><th>status</th><th>reward</th><th>GRPO adv.</th><th>RLOO adv.</th></tr></thead><tbody>${adv}</tbody></table></details>` +
+    `<details${d.group.length > 1 ? " open" : ""}><summary>group (${d.group.length}) rewards and advantages (${esc(advantageName(d.advantages))})</summary>` +
+    `<table class="group"><thead><tr><th>session</th><th>status</th><th>reward</th><th title="as the run trains them: failed and open sessions are left out, as the coordinator leaves them out">advantage</th></tr></thead><tbody>${adv}</tbody></table></details>` +
     `<details><summary>metadata</summary><pre class="mono">${esc(JSON.stringify(d.metadata, null, 2))}</pre></details>` +
     d.calls.map((c, ci) => callHtml(d, c, ci)).join("");
   pane.scrollTop = keepScroll;

@@ -17,6 +17,10 @@ sample reinforcement, a filtered behaviour cloning). The reason to try it: pushi
 model's sampled tokens down spreads their mass over everything else and raises its entropy
 (seen in DeepResearch runs at higher learning rates); what it did there instead is in
 examples/deepresearch/README.md.
+
+`AdvantageSpec` is the pair a run trains with; the gateway's config carries it so the viewer
+shows the advantages the run trained on (`member_advantages`), over the same rollouts the
+coordinator counts (`group_reward`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,27 @@ import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
+from pydantic import BaseModel, ConfigDict, Field
+
 AdvantageEstimator = Literal["grpo", "grpo_no_std", "rloo", "dr_grpo"]
+
+
+class AdvantageSpec(BaseModel):
+    """How a run computes its advantages from a group's rewards."""
+
+    model_config = ConfigDict(extra="forbid")
+    estimator: AdvantageEstimator = Field(
+        default="grpo",
+        description="grpo (group mean/std), grpo_no_std, rloo (leave-one-out baseline) or "
+        "dr_grpo (mean-centred; pair it with trainer.loss_agg=seq-mean-token-sum).",
+    )
+    negative_advantage_weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Scales the advantages below zero: 1 is the estimator as it is, 0 trains on "
+        "the rollouts better than their group only.",
+    )
 
 
 def grpo_advantages(
@@ -73,3 +97,29 @@ def compute_advantages(
         return rloo_advantages(rewards)
     known = ", ".join(get_args(AdvantageEstimator))
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {known}")
+
+
+def trained_advantages(rewards: Sequence[float], spec: AdvantageSpec) -> list[float]:
+    """What a run trains with: the spec's estimator, then its weight on the negative ones."""
+    return weigh_negatives(
+        compute_advantages(rewards, spec.estimator), spec.negative_advantage_weight
+    )
+
+
+def group_reward(status: str, reward: float | None) -> float | None:
+    """The reward a rollout brings to its group's advantages, or None: it is left out.
+
+    Only a rollout that finished with a reward counts; a failed one (crashed, timed out, no
+    reward) says nothing about how good its tokens were, and an open one has no reward yet.
+    """
+    return reward if status == "finished" else None
+
+
+def member_advantages(
+    members: Sequence[tuple[str, float | None]], spec: AdvantageSpec
+) -> list[float | None]:
+    """Each (status, reward) member's advantage under `spec`, computed over the members that
+    count (`group_reward`); None for the others."""
+    rewards = [group_reward(status, reward) for status, reward in members]
+    counted = iter(trained_advantages([r for r in rewards if r is not None], spec))
+    return [None if r is None else next(counted) for r in rewards]
