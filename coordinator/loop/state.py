@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
+
+from lockgate.gateway.records.metrics_file import STEP, read_metrics
 
 
 class LoopState(BaseModel):
@@ -40,37 +43,28 @@ def append_state(path: Path, state: LoopState) -> None:
         f.flush()
 
 
-def _lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The file's step records, read as metrics.jsonl is (`read_metrics`): the partial last line
+    a killed run leaves is skipped, any other bad line is an error."""
+    return read_metrics(path) if path.exists() else []
 
 
 def load_state(path: Path, step: int) -> LoopState:
     """The line of `step`; `ValueError` when there is none (the run dir is not resumable)."""
-    for line in _lines(path):
-        try:
-            state = LoopState.model_validate_json(line)
-        except ValueError:
-            continue  # the half-written last line of a killed run
-        if state.step == step:
-            return state
+    for record in _records(path):
+        if record[STEP] == step:
+            return LoopState.model_validate(record)
     raise ValueError(f"{path} has no state for step {step}; cannot resume from it")
 
 
 def truncate_steps(path: Path, last_step: int) -> int:
-    """Keep only the JSONL records of steps <= `last_step` (and drop a half-written line).
+    """Keep only the JSONL records of steps <= `last_step` (and drop a partial last line).
 
     Works for `loop_state.jsonl` and `metrics.jsonl` alike; returns the records kept.
     """
-    kept: list[str] = []
-    for line in _lines(path):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and int(record.get("step", 0)) <= last_step:
-            kept.append(line)
+    kept = [record for record in _records(path) if record[STEP] <= last_step]
     if path.exists():
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(record, sort_keys=True) + "\n" for record in kept))
         tmp.replace(path)
     return len(kept)
