@@ -16,9 +16,10 @@ from test_gateway_edges import ADMIN, Harness, _admin, harness  # noqa: F401
 from viewer_fixtures import build_store
 
 from lockgate.coordinator.cli.main import main as cli_main
+from lockgate.coordinator.cli.view import find_run_files
 from lockgate.gateway.records.advantages import AdvantageSpec, trained_advantages
 from lockgate.gateway.viewer.routes import COOKIE
-from lockgate.gateway.viewer.serve import create_view_app, find_run_files
+from lockgate.gateway.viewer.serve import create_view_app
 
 DATA_ROUTES = [
     "/ui/api/overview",

@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lockgate.coordinator.run_dir import RunDir
+
+if TYPE_CHECKING:
+    from lockgate.gateway.viewer.serve import RunFiles
 
 
 def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,11 +39,29 @@ def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_view(args: argparse.Namespace) -> int:
     from lockgate.gateway.viewer.serve import view  # fastapi and uvicorn only when viewing
 
-    return view(
-        args.run_dir,
-        host=args.host,
-        port=args.port,
-        token=args.token,
-        store=args.store,
-        model_dir=args.model_dir,
-    )
+    try:
+        files = find_run_files(args.run_dir, args.store, args.model_dir)
+    except ValueError as exc:
+        print(f"lockgate view: {exc}", file=sys.stderr)
+        return 2
+    return view(files, host=args.host, port=args.port, token=args.token)
+
+
+def find_run_files(run: Path, store: str | None = None, model_dir: Path | None = None) -> RunFiles:
+    """The files `lockgate view RUN` serves, found through the run dir's layout: RUN's store
+    (`store` names another of its stores) or a store file given directly, the run's metrics,
+    and the config of the gateway that wrote the store (the training gateway's where that one
+    left none). Raises ValueError with a one-line message when there is no run dir or store."""
+    from lockgate.gateway.viewer.serve import read_run_files  # fastapi only when viewing
+
+    if run.is_file():
+        run_dir, db = RunDir(run.parent), run
+    elif run.is_dir():
+        run_dir = RunDir(run)
+        db = run_dir.store_named(store) if store else run_dir.store
+    else:
+        raise ValueError(f"run dir not found: {run}")
+    config = run_dir.config_of_store(db)
+    if not config.is_file():
+        config = run_dir.gateway_config
+    return read_run_files(db, metrics=run_dir.metrics, gateway_config=config, model_dir=model_dir)

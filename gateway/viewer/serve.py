@@ -1,10 +1,10 @@
 """`lockgate view RUN_DIR`: the viewer alone, on a run's store, read-only.
 
-The run dir is what `lockgate train` wrote: `trajectories.sqlite` (or another store named with
-`--store`, such as `val_trajectories.sqlite`), `metrics.jsonl` for the dashboard, and
-`gateway_config.json`, whose `model_dir` gives the token texts and `advantages` how the run
-computed the advantages it trained on. The store is opened read-only
-and nothing is written in the run dir (routes.py, `open_read_only`); a run that is still
+The coordinator's command finds the run's files (it owns the run dir's layout,
+coordinator/run_dir.py) and gives their paths here: the store, the metrics file for the
+dashboard, and the config of the gateway that wrote the store, whose `model_dir` gives the token
+texts and `advantages` how the run computed the advantages it trained on. The store is opened
+read-only and nothing is written beside it (routes.py, `open_read_only`); a run that is still
 training can be viewed too: the live feed shows what its gateway records.
 """
 
@@ -25,47 +25,45 @@ from pydantic import ValidationError
 from lockgate.gateway.records.advantages import AdvantageSpec
 from lockgate.gateway.viewer.routes import Viewer, ViewerSource, viewer_routes
 
-STORE_FILE = "trajectories.sqlite"
-
 
 @dataclass(frozen=True)
 class RunFiles:
     store: Path
-    metrics: Path
+    metrics: Path | None  # None: no dashboard
     model_dir: Path | None
     advantages: AdvantageSpec | None = None  # None: the run's config does not say (GRPO shown)
 
 
-def find_run_files(run: Path, store: str | None = None, model_dir: Path | None = None) -> RunFiles:
-    """The store, metrics and tokenizer of a run dir (or of a store file given directly).
-    Raises ValueError with a one-line message when there is no store, or when the run's
-    advantage spec does not parse."""
-    if run.is_file():
-        db, run_dir = run, run.parent
-    else:
-        if not run.is_dir():
-            raise ValueError(f"run dir not found: {run}")
-        db, run_dir = run / (store or STORE_FILE), run
-    if not db.is_file():
-        raise ValueError(f"no trajectory store at {db} (is {run_dir} a run dir?)")
-    config = run_dir / ("val_gateway_config.json" if db.name.startswith("val_") else "")
-    config = config if config.is_file() else run_dir / "gateway_config.json"
-    gateway_config: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        read = json.loads(config.read_text())
-        gateway_config = read if isinstance(read, dict) else {}
+def read_run_files(
+    store: Path,
+    *,
+    metrics: Path | None,
+    gateway_config: Path | None,
+    model_dir: Path | None = None,
+) -> RunFiles:
+    """The run's files from their paths: the tokenizer (`model_dir`, else the gateway config's)
+    and the advantage spec are read from `gateway_config` when it can be read. Raises
+    ValueError with a one-line message when there is no store, or when the run's advantage spec
+    does not parse."""
+    if not store.is_file():
+        raise ValueError(f"no trajectory store at {store} (is {store.parent} a run dir?)")
+    read: object = None
+    if gateway_config is not None:
+        with contextlib.suppress(OSError, ValueError):
+            read = json.loads(gateway_config.read_text())
+    written: dict[str, Any] = read if isinstance(read, dict) else {}
     if model_dir is None:
-        found = gateway_config.get("model_dir")
+        found = written.get("model_dir")
         model_dir = Path(found) if isinstance(found, str) and found else None
     return RunFiles(
-        store=db,
-        metrics=run_dir / "metrics.jsonl",
+        store=store,
+        metrics=metrics,
         model_dir=model_dir,
-        advantages=_advantages(config, gateway_config.get("advantages")),
+        advantages=_advantages(gateway_config, written.get("advantages")),
     )
 
 
-def _advantages(config: Path, raw: object) -> AdvantageSpec | None:
+def _advantages(config: Path | None, raw: object) -> AdvantageSpec | None:
     """The run's advantage spec; None where its config has none (a run from before the gateway
     carried it). A spec that does not parse is an error: the viewer would show wrong numbers."""
     if raw is None:
@@ -104,22 +102,15 @@ def create_view_app(files: RunFiles, token: str) -> FastAPI:
 
 
 def view(
-    run: Path,
+    files: RunFiles,
     *,
     host: str = "127.0.0.1",
     port: int = 8765,
     token: str | None = None,
-    store: str | None = None,
-    model_dir: Path | None = None,
 ) -> int:
-    """Serve the viewer until interrupted; returns the exit code."""
+    """Serve the viewer on `files` until interrupted; returns the exit code."""
     import uvicorn
 
-    try:
-        files = find_run_files(run, store, model_dir)
-    except ValueError as exc:
-        print(f"lockgate view: {exc}", file=sys.stderr)
-        return 2
     token = token or secrets.token_urlsafe(18)
     shown = "localhost" if host in ("127.0.0.1", "0.0.0.0") else host
     print(
