@@ -56,6 +56,7 @@ from lockgate.coordinator.launch.parts import (
 )
 from lockgate.coordinator.launch.processes import client_host, free_port
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaStartError
+from lockgate.coordinator.run_dir import RunDir
 
 DEPLOY_COMMANDS = ("replicas", "gateway", "serve", "session")
 
@@ -247,10 +248,12 @@ def _replicas(config: RunConfig) -> int:
     model_dir = _model_dir(config)
     _say(
         f"starting {config.replicas.count} vLLM replica(s) of {model_dir} "
-        f"(logs in {run_dir / 'logs'})"
+        f"(logs in {RunDir(run_dir).logs})"
     )
     with _service() as stack:
-        replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, run_dir / "logs"))
+        replicas = LocalReplicaSet(
+            replica_launch_config_of(config, model_dir, RunDir(run_dir).logs)
+        )
         stack.callback(replicas.stop)
         try:
             replicas.start()
@@ -331,10 +334,10 @@ def _serve(config: RunConfig) -> int:
             if not urls:
                 _say(
                     f"starting {config.replicas.count} vLLM replica(s) of {model_dir} "
-                    f"(logs in {run_dir / 'logs'})"
+                    f"(logs in {RunDir(run_dir).logs})"
                 )
                 replicas = LocalReplicaSet(
-                    replica_launch_config_of(config, model_dir, run_dir / "logs")
+                    replica_launch_config_of(config, model_dir, RunDir(run_dir).logs)
                 )
                 stack.callback(replicas.stop)
                 replicas.start()
@@ -357,8 +360,8 @@ def _serve(config: RunConfig) -> int:
         if made:
             _emit("admin_token", token)
         _say(
-            f"serving at {gateway.url}; trajectories in {run_dir / 'trajectories.sqlite'}, logs "
-            f"in {run_dir / 'logs'}. Sessions: `lockgate session new --gateway {gateway.url}` "
+            f"serving at {gateway.url}; trajectories in {RunDir(run_dir).store}, logs "
+            f"in {RunDir(run_dir).logs}. Sessions: `lockgate session new --gateway {gateway.url}` "
             f"with ${section.admin_token_env} set, or POST /admin/sessions. Ctrl-C or SIGTERM "
             "stops it all"
         )
