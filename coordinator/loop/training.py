@@ -54,6 +54,7 @@ from lockgate.coordinator.loop.trainer_port import Trainer
 from lockgate.coordinator.loop.validation import run_validation
 from lockgate.coordinator.metrics.log import MetricsLog
 from lockgate.gateway.client import GatewayClient, GatewayClientError
+from lockgate.gateway.records.advantages import group_reward
 from lockgate.gateway.records.metrics_file import (
     STEP,
     TRAIN_PREFIX,
@@ -298,7 +299,9 @@ class TrainingLoop:
     ) -> Group:
         group = Group(task.id, group_id, dispatch_version, rollouts=[])
         for result in results:
-            if result.status != "finished" or result.reward is None:
+            # The viewer counts a group's rollouts by the same rule (records/advantages.py).
+            reward = group_reward(result.status, result.reward)
+            if reward is None:
                 reason = (result.error or "unknown").split(":")[0]
                 group.failures[reason] = group.failures.get(reason, 0) + 1
                 self._counters[Count.ROLLOUTS_FAILED] += 1
@@ -306,7 +309,7 @@ class TrainingLoop:
             samples = await self.gateway.samples(result.session_id)
             self._counters[Count.RERENDER_SPLITS] += samples.splits
             self._gen_tokens += sum(sum(s.loss_mask) for s in samples.samples)
-            group.rollouts.append(Rollout(result.reward, samples))
+            group.rollouts.append(Rollout(reward, samples))
         return group
 
     # -- trainer side ---------------------------------------------------------------------------
