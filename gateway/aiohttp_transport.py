@@ -6,9 +6,8 @@ minimal HTTP/1.1 client (gateway/replicas/http1.py). Admin calls and health chec
 The gateway talks to replicas through an `httpx.AsyncClient` (tests inject httpx's
 `MockTransport` there), but httpx's own connection pool (httpcore) is the gateway's largest
 cost under load: per request it checks every pooled connection for readability, so its CPU per
-call grows with the number of connections (measured on the fixture upstream: about 0.9 ms per
-streamed generate at 1 connection, 1.9 ms at 16, 4 ms at 64; aiohttp, whose HTTP parser is in C,
-takes about 0.2 ms at any of them). Keeping httpx as the interface and aiohttp underneath keeps
+call grows with the number of connections, while aiohttp's (its HTTP parser is in C) stays flat
+(measured in docs/performance.md, "Gateway: HTTP clients to the replicas"). Keeping httpx as the interface and aiohttp underneath keeps
 every caller and test as it is.
 
 Semantics kept: timeouts from httpx's per-request `timeout` extension, transport failures

@@ -28,11 +28,11 @@ MAX_JSON_DEPTH = _ORJSON_DEPTH - _AROUND_A_BODY
 
 
 # orjson holds the GIL for a whole parse, so parsing a body holds the event loop every other
-# call shares, for about 0.14 us per JSON value: 8 MiB of tiny objects took 280 ms. A body
-# over _COUNTED_FROM bytes has its values counted first (commas and openers, which also counts
-# those inside strings: an upper bound) by bytes.count, about 1.3 ms a MiB, and one over the
-# bound is refused unparsed. The default bound holds a parse to about 40 ms and is far above
-# what a prompt that fits a context needs.
+# call shares, for a time that grows with its JSON values. A body over _COUNTED_FROM bytes has
+# its values counted first (commas and openers, which also counts those inside strings: an
+# upper bound) by bytes.count, far cheaper than a parse, and one over the bound is refused
+# unparsed. The default bound keeps a parse's hold on the loop short and is far above what a
+# prompt that fits a context needs (the costs: docs/reliability.md).
 DEFAULT_MAX_JSON_VALUES = 262_144
 _COUNTED_FROM = 256 * 1024
 

@@ -15,8 +15,8 @@ Estimators (`compute_advantages`):
 1 is the estimator as it is; 0 reinforces only the rollouts better than their group (positive
 sample reinforcement, a filtered behaviour cloning). The reason to try it: pushing a small
 model's sampled tokens down spreads their mass over everything else and raises its entropy
-(seen in DeepResearch runs at higher learning rates); what it did there instead is in
-examples/deepresearch/README.md.
+(seen at higher learning rates; what it did in the runs that tried it: docs/performance.md,
+"Advantages").
 
 `AdvantageSpec` is the pair a run trains with; the gateway's config carries it so the viewer
 shows the advantages the run trained on (`member_advantages`), over the same rollouts the

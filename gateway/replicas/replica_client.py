@@ -260,8 +260,9 @@ class ReplicaClient:
         """An empty POST through the generate path's HTTP client, as `call_admin` answers it.
 
         A sync pauses every replica at once, on the event loop that is also closing every cut
-        stream: through httpx on aiohttp, 64 pauses took about 20 ms of CPU, through the
-        generate client about 5 ms (benchmarks/pause_fanout.py). Only for `abort`: it cuts (or
+        stream, and the generate client costs a fraction of httpx on aiohttp's CPU per pause
+        (benchmarks/pause_fanout.py; docs/performance.md, "Gateway: HTTP clients to the
+        replicas"). Only for `abort`: it cuts (or
         waits out) every stream before pausing, so the client's connection slots come free,
         where `keep` leaves up to all of them held by frozen streams."""
         url = f"{self.url}{path}"

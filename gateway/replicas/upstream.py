@@ -2,8 +2,9 @@
 
 The replica client needs only this from an HTTP stack, and on the hot path every layer costs:
 `httpx.AsyncClient` (cookies, auth, redirects, its request and response models) over aiohttp
-(its own request objects and Python work per HTTP chunk, that is per token) took about 0.3 ms of
-CPU per call. So the gateway's own stack sends generate requests with a minimal HTTP/1.1 client
+(its own request objects and Python work per HTTP chunk, that is per token) cost more CPU per
+call than the rest of the gateway (docs/performance.md, "Gateway: HTTP clients to the
+replicas"). So the gateway's own stack sends generate requests with a minimal HTTP/1.1 client
 (`http1.Http1Upstream`), and an injected `httpx.AsyncClient` (tests use httpx's mock transport)
 is used through `HttpxUpstream`.
 

@@ -1,13 +1,12 @@
 """A thread with its own event loop and its own connections, that sends the replicas' pauses.
 
-On the gateway's loop an abort pause queued behind that loop's backlog: at 64 replicas and
-2,000 sessions (~90% of a core), ~480 ms of the median pause passed before the first pause
-request left, against ~40 ms from its arrival at the first replica to the last answer
-(benchmarks/README.md, "Where the gateway's time goes"). Here the requests leave as soon as
+On the gateway's loop an abort pause queued behind that loop's backlog: under load most of a
+pause passed before the first pause request left, not at the replicas (measured in
+benchmarks/README.md, "Where the gateway's time goes"). Here the requests leave as soon as
 this thread gets the interpreter, whatever the loop is doing; the gateway's loop only cuts its
-calls and reads the answers. While a pause is out the interpreter's switch interval is 0.5 ms
-instead of 5: this thread waits for the interpreter each time it sends or reads, and a busy
-loop thread held it for the whole interval each time.
+calls and reads the answers. While a pause is out the interpreter's switch interval is a tenth
+of Python's default: this thread waits for the interpreter each time it sends or reads, and a
+busy loop thread held it for the whole interval each time.
 
 Its connections are its own: asyncio connections belong to the loop that made them. The
 replicas' state (health, what is paused) stays with the gateway's loop, which reads the results.
