@@ -4,11 +4,11 @@ Under the kernel's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabl
 distributions) each session is a scheduling group, and CPU time is shared out between groups
 before threads. The trainer's ranks run in a session of their own (torchrun starts them so);
 the coordinator, its gateways, the environment and the local replicas share this process's
-session (`processes.py` says why they must). In the CPU recipe's RL run the trainer's group got
-32% of a core while the other held the rest, and a trainer step that computes for ~10 s took
-~30 s: the trainer was the bottleneck (idle 3-7%) and generation ran ahead to the staleness
-bound. With this session's group at nice 10 the trainer's steps took 8-10 s and the run's 24
-steps 404 s instead of ~750, generation now the bound (trainer idle 45%).
+session (`processes.py` says why they must). Shared out equally, the trainer's one group gets
+no more CPU than everything else of the run together, so its steps stretch, the trainer
+becomes the bottleneck and generation runs ahead to the staleness bound. With this session's
+group at a higher nice the trainer gets the cores it needs and generation is the bound again
+(measured in docs/performance.md, "Coordinator: launching on a CPU machine").
 
 A group's nice is raised (priority lowered) without privileges and set back when the run ends;
 where autogroups are off, `/proc` is not Linux's, or the process sits in a task group of its own

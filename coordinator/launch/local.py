@@ -338,8 +338,8 @@ def _ray_parts(
     return parts
 
 
-# How far this session's group yields to the trainer's: at 10 the trainer of the CPU recipe
-# got the core it needs (coordinator/launch/cpu_priority.py).
+# How far this session's group yields to the trainer's: enough for the trainer to get the core
+# it needs (coordinator/launch/cpu_priority.py; docs/performance.md).
 TRAINER_FIRST_NICE = 10
 
 
@@ -403,8 +403,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             val_gateway = _validation_gateway(gateway_config, run_dir)
             stack.callback(val_gateway.stop)
             val_gateway.launch()
-        # The gateways and the trainer start at once: each spends seconds importing and loading
-        # (on the CPU recipe ~7 s per gateway and 9 s for the trainer, one after another before).
+        # The gateways and the trainer start at once: each spends seconds importing and loading,
+        # which one after another would add up (docs/performance.md).
         if gateway is not None:
             _wait_serving(config, gateway, admin_token)
         trainer.wait_ready()

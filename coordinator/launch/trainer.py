@@ -50,11 +50,11 @@ def spawn_ranks(
 def thread_env(num_threads: int, *, alone: bool = False) -> dict[str, str]:
     """A rank's OpenMP settings: its thread count, and how its waiting threads wait, unless the
     environment says otherwise. Beside other busy processes (an RL trainer beside its replicas)
-    they sleep: spinning ones made a 2-thread rank >4x slower beside one busy core (50
-    copy-drill steps not done in 240 s against 1,570 tokens/s; 1,248 tokens/s sleeping). Alone
-    (`lockgate sft`) they spin: sleeping ones cost the CPU recipe's 2-thread SFT 13% (2,915
-    tokens/s against 3,357 over 35 steps, the same losses), a thread woken for each of the
-    small model's many short operations. libgomp spins only while it manages no more threads
+    they sleep: spinning ones take the cores the others need, and a rank beside one busy core
+    slowed several times over. Alone (`lockgate sft`) they spin: sleeping ones cost a small
+    model's SFT a good part of its speed, a thread woken for each of its many short
+    operations (both measured in docs/performance.md, "Coordinator: launching on a CPU
+    machine"). libgomp spins only while it manages no more threads
     than there are cores, so nothing else in a rank may run OpenMP on a thread of its own
     (trainer/checkpoint.py)."""
     return {
