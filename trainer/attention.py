@@ -2,9 +2,9 @@
 computed between samples.
 
 Through SDPA, a packed row needs an explicit block-diagonal mask, and with a mask SDPA computes
-every score of the row, cross-sample ones included (FlashAttention takes no mask): on an H200
-a step of 96k tokens in 8,192-token rows took as long for Qwen3-0.6B as for Qwen3-1.7B
-(7.2 s; 3.6 s for 0.6B through this module). Here, on CUDA, FlashAttention's variable-length kernel
+every score of the row, cross-sample ones included (FlashAttention takes no mask), so a small
+model's step costs as much as a larger one's (measured in docs/performance.md, "Trainer").
+Here, on CUDA, FlashAttention's variable-length kernel
 (`torch.nn.attention.varlen`) runs the row given where each sample starts; on the CPU each
 sample runs through causal SDPA in turn. Both compute the attention the mask describes.
 

@@ -97,8 +97,8 @@ def _alone(world: Distributed) -> bool:
     """One rank saves and loads without DCP's collectives. Through gloo they gather the pickled
     plans, and gloo copies tensors that large on a thread of its own with an OpenMP team of its
     own: libgomp then manages more threads than there are cores and stops the trainer's idle
-    threads spinning for the rest of the process. The recipe's 2-thread `lockgate sft` lost a
-    third of its speed at its first checkpoint that way (5,000 -> 3,300 tokens/s)."""
+    threads spinning for the rest of the process, which slows a small model's steps from the
+    first checkpoint on (measured in docs/performance.md, "Trainer")."""
     return world.world_size == 1
 
 

@@ -141,8 +141,8 @@ class TrainerConfig(BaseModel):
         description=(
             "The forward and backward's dtype; master weights, gradients' reduction and the "
             "optimizer stay float32. auto: bfloat16 on CUDA, float32 on CPU, where RL keeps "
-            "vLLM-CPU's float32 numerics. bfloat16 on a CPU with AMX pays on packed rows (1.33x "
-            "on the DeepResearch drills), not on short conversations run one at a time."
+            "vLLM-CPU's float32 numerics. bfloat16 on a CPU with AMX pays on packed rows, not "
+            "on short conversations run one at a time (docs/design.md, GPU)."
         ),
     )
     keep_snapshots: int = Field(

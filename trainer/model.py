@@ -5,18 +5,16 @@ with several ranks, a micro-batch's samples are concatenated into one row with p
 restarting at 0 per sample, and attention runs per sample within the row (attention.py:
 FlashAttention's varlen kernel on CUDA, causal SDPA per sample on the CPU): one forward pass
 per micro-batch. On one CPU rank each sample runs alone instead, which lets the samples share
-their common prefix (below). Measured on the DeepResearch model (3.5M parameters, 48 samples of
-~600 tokens, forward + backward on one thread, before attention.py, when a packed row was
-attended with a block mask): 35 s packed 4,096 tokens per micro-batch, 20 s padded batches of
-6, 13 s one sample at a time. `micro_batch_packing` in the trainer's config picks either way.
+their common prefix (below); for a small model on one thread, one sample at a time was faster
+than packed rows or padded batches (measured in docs/performance.md, "Trainer").
+`micro_batch_packing` in the trainer's config picks either way.
 Either way the logits are laid back out as [B, T, V].
 
 One sample at a time, the tokens that every sample of the micro-batch starts with (the system
-prompt and tool schemas of an agent's rollouts: ~270 of the DeepResearch samples' ~550-600
-tokens) run once: their keys and values are kept, and each sample runs only the rest of its
-tokens against them. The logits and gradients are those of running each sample whole (equal to
-float rounding: tests/test_trainer_packing.py). Forward + backward of 48 DeepResearch rollouts
-(27,578 tokens, 268 in common, 6 per micro-batch, one thread): 14.9-16.3 s -> 10.6-11.3 s.
+prompt and tool schemas of an agent's rollouts, often half of each sample) run once: their
+keys and values are kept, and each sample runs only the rest of its tokens against them. The logits and gradients are those of running each sample whole (equal to
+float rounding: tests/test_trainer_packing.py), and the shared prefix's work is done once per
+micro-batch instead of once per sample (measured in docs/performance.md, "Trainer").
 """
 
 from __future__ import annotations

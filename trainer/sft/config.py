@@ -72,8 +72,8 @@ class PlateauStop(BaseModel):
     below: float = Field(
         gt=0,
         description="Only once a held-out loss has been at or below this: a loss still on a "
-        "long first plateau before it falls (the DeepResearch copy drills sit near 2.6 for "
-        "hundreds of steps) must not stop the run.",
+        "long first plateau before it falls (copy drills can sit there for hundreds of steps) "
+        "must not stop the run.",
     )
     patience: int = Field(
         default=3, ge=1, description="Held-out checks in a row without a new best loss."
@@ -122,8 +122,8 @@ class SFTLoopSection(BaseModel):
         default=None,
         gt=0,
         description="Stop (checkpoint, export) at the first held-out loss at or below this: "
-        "a loss that falls suddenly at a step no run can foretell (the DeepResearch copy "
-        "drills) gets the steps it needs, with epochs / max_steps as the cap. Needs "
+        "a loss that falls suddenly at a step no run can foretell (copy drills) gets the "
+        "steps it needs, with epochs / max_steps as the cap. Needs "
         "data.val_path and val_every.",
     )
     stop_at_train_loss: float | None = Field(
@@ -133,7 +133,7 @@ class SFTLoopSection(BaseModel):
         "the last `train_loss_window` steps (token-weighted) is at or below this. Each batch is "
         "scored before the model trains on it, so over data seen once (epochs: 1) it is a "
         "held-out loss over far more examples than a val set holds, at no cost (a few hard "
-        "val examples can hold a mean of a small val set up: the DeepResearch drills).",
+        "val examples can hold a mean of a small val set up).",
     )
     train_loss_window: int = Field(
         default=50, ge=1, description="Steps the stop_at_train_loss mean runs over."

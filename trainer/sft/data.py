@@ -254,8 +254,8 @@ _PARALLEL_FROM = 1024
 
 def _rendered(path: Path, tokenizer: ChatTokenizer, eot: int, workers: int) -> Iterator[Rendered]:
     """Every non-blank line rendered, in file order; across `workers` forked processes when
-    the file is long enough (rendering is jinja and the tokenizer: the DeepResearch recipe's
-    5,000 transcripts take 29 s in one process, 15 s in two on 2 cores)."""
+    the file is long enough (rendering is jinja and the tokenizer, CPU-bound Python; measured
+    in docs/performance.md, "Trainer")."""
     lines = list(_raw_lines(path))
     if workers <= 1 or len(lines) < _PARALLEL_FROM or "fork" not in get_all_start_methods():
         for number, text in lines:
