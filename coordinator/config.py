@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
-from lockgate.gateway.records.advantages import AdvantageEstimator
+from lockgate.gateway.records.advantages import AdvantageSpec
 from lockgate.gateway.schema import PauseMode
 from lockgate.trainer.config import TrainerConfig
 
@@ -246,9 +246,11 @@ class LoopSection(BaseModel):
         return self
 
 
-class AlgorithmSection(BaseModel):
+class AlgorithmSection(AdvantageSpec):
     """The learning algorithm's knobs, apart from the machinery that runs it: how advantages are
-    estimated and shaped, which groups are worth training on, and the entropy term."""
+    estimated and shaped (`estimator`, `negative_advantage_weight`: the gateway's
+    `AdvantageSpec`, so the viewer shows what was trained on), which groups are worth training
+    on, and the entropy term."""
 
     model_config = ConfigDict(extra="forbid")
     drop_zero_variance: bool = Field(
@@ -262,18 +264,6 @@ class AlgorithmSection(BaseModel):
         "the rest are never generated, else they run and the group trains whole. Spares the "
         "generation of tasks the policy cannot solve yet, most of what drop_zero_variance drops "
         "on a weak policy.",
-    )
-    advantage_estimator: AdvantageEstimator = Field(
-        default="grpo",
-        description="grpo (group mean/std), grpo_no_std, rloo (leave-one-out baseline) or "
-        "dr_grpo (mean-centred; pair it with trainer.loss_agg=seq-mean-token-sum).",
-    )
-    negative_advantage_weight: float = Field(
-        default=1.0,
-        ge=0.0,
-        le=1.0,
-        description="Scales the advantages below zero: 1 is the estimator as it is, 0 trains on "
-        "the rollouts better than their group only (gateway/records/advantages.py).",
     )
     entropy_coef: float = Field(
         default=0.0,

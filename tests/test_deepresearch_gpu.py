@@ -28,7 +28,7 @@ def test_the_gpu_config_is_the_cpu_recipe_on_cuda_with_the_peers_numbers() -> No
     assert config.environment.path == ROOT / "examples/deepresearch/env.py"
     agent = config.environment.args["agent"]
     assert agent["topk"] == 3 and agent["max_turns"] >= 4 and 5 <= config.loop.group_size <= 8
-    assert config.algorithm.advantage_estimator == "grpo"
+    assert config.algorithm.estimator == "grpo"
 
 
 @needs_gpu

@@ -89,7 +89,7 @@ def _sessions_by_tokens(conn: sqlite3.Connection) -> dict[tuple[int, ...], list[
 @pytest.mark.parametrize(
     ("setting", "spec"),
     [
-        ("algorithm.advantage_estimator=rloo", AdvantageSpec(estimator="rloo")),
+        ("algorithm.estimator=rloo", AdvantageSpec(estimator="rloo")),
         ("algorithm.negative_advantage_weight=0.3", AdvantageSpec(negative_advantage_weight=0.3)),
     ],
     ids=["rloo", "negatives-weighed"],

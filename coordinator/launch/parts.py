@@ -45,9 +45,8 @@ def gateway_config_of(
         max_pause_wait_s=config.gateway.max_pause_wait_s,
         limits=config.gateway.limits,
         partial_rollout=config.sync.partial_rollout,
-        advantages=AdvantageSpec(
-            estimator=config.algorithm.advantage_estimator,
-            negative_advantage_weight=config.algorithm.negative_advantage_weight,
+        advantages=AdvantageSpec.model_validate(
+            config.algorithm.model_dump(include=set(AdvantageSpec.model_fields))
         ),
     )
 

@@ -360,7 +360,7 @@ class TrainingLoop:
             for g in groups
             for s in group_to_train_samples(
                 g,
-                estimator=self.algorithm.advantage_estimator,
+                estimator=self.algorithm.estimator,
                 negative_weight=self.algorithm.negative_advantage_weight,
             )
         ]
