@@ -111,6 +111,7 @@ def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             model_dir=tiny_model_dir,
             replicas=[REPLICA],
             db_path=run / "trajectories.sqlite",
+            metrics_path=run / "metrics.jsonl",
             admin_token=ADMIN,
             max_model_len=256,
         ),
