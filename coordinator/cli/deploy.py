@@ -1,10 +1,10 @@
 """The commands that run one part of lockgate each, as a service in the foreground:
-`lockgate replicas`, `lockgate gateway`, `lockgate serve` (both, for agents without training),
-and `lockgate session new` (a session on a running gateway).
+`lockgate replicas`, `lockgate gateway` and `lockgate serve` (both, for agents without training);
+`lockgate session new` (cli/session.py) makes sessions on what they serve.
 
 Each takes the run config's own sections (model, replicas, gateway; a run config file works
 as it is), layered: defaults < the file < `LOCKGATE_<SECTION>__<FIELD>` variables < `--set`.
-Bad input is one line, `lockgate: ...`, exit 2, before anything starts (deploy_checks.py).
+Bad input is a `DeployError` (one line, exit 2) before anything starts (launch/deploy_checks.py).
 What a service prints on stdout is `name=value` lines (`replica_url=`, `gateway_url=`), once it
 serves; its progress goes to stderr. Ctrl-C or SIGTERM stops it and everything it started.
 """
@@ -12,10 +12,7 @@ serves; its progress goes to stderr. Ctrl-C or SIGTERM stops it and everything i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,20 +22,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from pydantic import ValidationError
-
-from lockgate.coordinator.cli.errors import config_error, error
+from lockgate.coordinator.cli.options import Subcommands, add_overrides, load_run_config
 from lockgate.coordinator.config import (
     GatewaySection,
     ModelSection,
     ReplicasSection,
     RunConfig,
     describe_options,
-    env_overrides,
-    load_config,
 )
+from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.deploy_checks import (
     DeployError,
     check_model_dir,
@@ -46,7 +39,7 @@ from lockgate.coordinator.launch.deploy_checks import (
     check_replica_ports,
     check_replicas,
 )
-from lockgate.coordinator.launch.gateway import GatewayProcess, GatewayStartError
+from lockgate.coordinator.launch.gateway import GatewayProcess
 from lockgate.coordinator.launch.parts import (
     admin_token_of,
     gateway_config_of,
@@ -55,10 +48,8 @@ from lockgate.coordinator.launch.parts import (
     run_dir_of,
 )
 from lockgate.coordinator.launch.processes import client_host, free_port
-from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaStartError
+from lockgate.coordinator.launch.replicas import LocalReplicaSet
 from lockgate.coordinator.run_dir import RunDir
-
-DEPLOY_COMMANDS = ("replicas", "gateway", "serve", "session")
 
 _SECTIONS_HELP = (
     "config options (the run config's sections; a file, LOCKGATE_<SECTION>__<FIELD> variables "
@@ -81,8 +72,8 @@ def _emit(name: str, value: str) -> None:
     print(f"{name}={value}", flush=True)
 
 
-def add_deploy_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`replicas`, `gateway`, `serve` and `session` under the `lockgate` parser."""
+def add_parser(sub: Subcommands) -> None:
+    """`replicas`, `gateway` and `serve` under the `lockgate` parser."""
     commands = {
         "replicas": (
             "start replicas.count local vLLM replicas; print their URLs; serve until stopped",
@@ -121,54 +112,19 @@ def add_deploy_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             nargs="?",
             help="config file (.yaml/.toml; a run config works: its other sections are unused)",
         )
-        parser.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override an option, e.g. gateway.port=8000",
-        )
+        add_overrides(parser, "gateway.port=8000")
         parser.add_argument(
             "--run-dir", type=Path, help="logs and trajectories (default runs/NAME)"
         )
-    session = sub.add_parser("session", help="sessions on a running gateway")
-    actions = session.add_subparsers(dest="action", required=True)
-    new = actions.add_parser(
-        "new",
-        help="create a session; print its OpenAI base URL and key",
-        description="Create a session through the gateway's admin API (the admin token from "
-        "$LOCKGATE_ADMIN_TOKEN) and print OPENAI_BASE_URL=, OPENAI_API_KEY= and "
-        "LOCKGATE_SESSION_ID= lines: `export $(lockgate session new)` points any OpenAI SDK "
-        "at it.",
-    )
-    new.add_argument("--gateway", help="gateway URL (default: $LOCKGATE_GATEWAY__URL)")
-    new.add_argument("--task-id", default="manual", help="the session's task id")
-    new.add_argument("--group-id", help="the session's group id (a GRPO group)")
-    new.add_argument("--metadata", default="{}", help="a JSON object stored with the session")
-    new.add_argument("--json", action="store_true", help="print the created session as JSON")
+        parser.set_defaults(handler=run)
 
 
-def overrides_with_env(overrides: list[str]) -> list[str]:
-    """The `LOCKGATE_<SECTION>__<FIELD>` variables as overrides, then `overrides` (--set)."""
-    return [*env_overrides(os.environ), *overrides]
-
-
-def run_deploy_command(args: argparse.Namespace) -> int:
-    if args.command == "session":
-        return _session_new(args)
-    try:
-        config = load_config(args.config, overrides_with_env(args.set))
-    except (ValueError, OSError) as exc:
-        return config_error(args.config, exc)
+def run(args: argparse.Namespace) -> int:
+    config = load_run_config(args.config, args.set)
     if args.run_dir is not None:
         config.run_dir = args.run_dir
     command = {"replicas": _replicas, "gateway": _gateway, "serve": _serve}[args.command]
-    try:
-        return command(config)
-    except DeployError as exc:
-        return error(str(exc))
-    except (ReplicaStartError, GatewayStartError) as exc:
-        return error(str(exc), 1)
+    return command(config)
 
 
 # -- services ------------------------------------------------------------------------------------
@@ -198,16 +154,15 @@ def _children_of(replicas: LocalReplicaSet) -> list[_Child]:
 
 
 def _serve_until_stopped(children: list[_Child]) -> int:
-    """Wait for Ctrl-C or SIGTERM (0), or for a child to exit (1, naming it)."""
+    """Wait for Ctrl-C or SIGTERM (0), or for a child to exit (a `RunFailed` naming it)."""
     try:
         while True:
             for child in children:
                 code = child.proc.poll()
                 if code is not None:
-                    return error(
+                    raise RunFailed(
                         f"{child.name} exited with code {code}; log {child.log_path}; "
-                        "stopping the rest",
-                        1,
+                        "stopping the rest"
                     )
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -366,56 +321,3 @@ def _serve(config: RunConfig) -> int:
             "stops it all"
         )
         return _serve_until_stopped(children)
-
-
-# -- lockgate session new --------------------------------------------------------------------------
-
-
-def _session_new(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(None, env_overrides(os.environ))
-    except (ValueError, OSError) as exc:
-        return config_error(None, exc)
-    section = config.gateway
-    if args.gateway is not None:
-        try:
-            section = GatewaySection.model_validate({**section.model_dump(), "url": args.gateway})
-        except ValidationError as exc:
-            return error(f"--gateway: {exc.errors()[0]['msg']}")
-    if section.url is None:
-        return error("session new needs the gateway's URL: --gateway URL or $LOCKGATE_GATEWAY__URL")
-    token = admin_token_of(section)
-    if token is None:
-        return error(f"session new needs the gateway's admin token in ${section.admin_token_env}")
-    try:
-        metadata: Any = json.loads(args.metadata)
-    except ValueError as exc:
-        return error(f"--metadata: not JSON ({exc})")
-    if not isinstance(metadata, dict):
-        return error("--metadata: must be a JSON object")
-    return asyncio.run(_create_session(section.url, token, args, metadata))
-
-
-async def _create_session(
-    url: str, token: str, args: argparse.Namespace, metadata: dict[str, Any]
-) -> int:
-    import httpx
-
-    from lockgate.gateway.client import GatewayClient, GatewayClientError
-
-    try:
-        async with GatewayClient(url, token, timeout=30.0) as client:
-            created = await client.create_session(args.task_id, args.group_id, metadata)
-    except GatewayClientError as exc:
-        if exc.status_code == 401:
-            return error(f"the gateway at {url} refused the admin token")
-        return error(f"the gateway at {url} refused the session: {exc.message}")
-    except httpx.HTTPError as exc:
-        return error(f"cannot reach the gateway at {url} ({type(exc).__name__}: {exc})", 1)
-    if args.json:
-        print(created.model_dump_json())
-    else:
-        _emit("OPENAI_BASE_URL", created.base_url)
-        _emit("OPENAI_API_KEY", created.api_key)
-        _emit("LOCKGATE_SESSION_ID", created.session_id)
-    return 0

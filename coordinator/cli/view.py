@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lockgate.coordinator.cli.options import Subcommands
 from lockgate.coordinator.run_dir import RunDir
 
 if TYPE_CHECKING:
     from lockgate.gateway.viewer.serve import RunFiles
 
 
-def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     view = sub.add_parser(
         "view",
         help="browse a run's trajectories and metrics in the browser (read-only)",
@@ -34,9 +35,11 @@ def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     view.add_argument(
         "--model-dir", type=Path, help="tokenizer for token texts (default: the run's model)"
     )
+    view.set_defaults(handler=run)
 
 
-def run_view(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    # A run dir or store that is not there is reported here (`lockgate view: ...`, exit 2).
     from lockgate.gateway.viewer.serve import view  # fastapi and uvicorn only when viewing
 
     try:
