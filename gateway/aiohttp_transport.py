@@ -7,8 +7,8 @@ The gateway talks to replicas through an `httpx.AsyncClient` (tests inject httpx
 `MockTransport` there), but httpx's own connection pool (httpcore) is the gateway's largest
 cost under load: per request it checks every pooled connection for readability, so its CPU per
 call grows with the number of connections, while aiohttp's (its HTTP parser is in C) stays flat
-(measured in docs/performance.md, "Gateway: HTTP clients to the replicas"). Keeping httpx as the interface and aiohttp underneath keeps
-every caller and test as it is.
+(measured in docs/performance.md, "Gateway"). Keeping httpx as the interface and aiohttp
+underneath keeps every caller and test as it is.
 
 Semantics kept: timeouts from httpx's per-request `timeout` extension, transport failures
 raised as the matching `httpx.TransportError` subclasses, bodies streamed as they arrive, and a

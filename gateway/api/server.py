@@ -40,14 +40,15 @@ def serve(
 ) -> None:
     """Serve on `host:port`; `on_ready` is called (from another thread) once it listens."""
     app = create_app(config)
-    # Start-up leaves ~430k objects (the tokenizer brings in transformers and torch) that a full
-    # collection would walk every time: ~300 ms with the event loop stopped, on this VM. Frozen,
-    # they are left out of every collection; what the calls create is collected as usual.
+    # Start-up leaves hundreds of thousands of objects (the tokenizer brings in transformers and
+    # torch) that a full collection would walk every time, with the event loop stopped. Frozen,
+    # they are left out of every collection; what the calls create is collected as usual
+    # (measured in docs/performance.md, "Gateway").
     gc.collect()
     gc.freeze()
     # Python's default first threshold (700 new objects) runs a young collection many times a
-    # call, each walking the calls in flight (their prompts' token lists among them): 12% of
-    # the gateway's CPU at 2,000 sessions. At 20,000 most of a call's objects are gone before
+    # call, each walking the calls in flight (their prompts' token lists among them), a large
+    # share of the gateway's CPU under load. At 20,000 most of a call's objects are gone before
     # one runs, and fewer survive into the old generation, whose full walk stops the loop.
     gc.set_threshold(20_000, 20, 10)
     server = uvicorn.Server(

@@ -29,8 +29,9 @@ class PreviousTurn:
 
     One is held for every open session between its calls, so its token ids are C arrays
     (`token_array`), not lists: the garbage collector walks every item of every list it tracks,
-    and 2,000 sessions' ~3.6M ids as lists made each full collection stop the event loop for
-    0.1-0.5 s (benchmarks/README.md, "Scale simulation"). An array holds no objects to walk."""
+    and thousands of sessions' ids as lists made each full collection stop the event loop for
+    a noticeable time (measured in benchmarks/README.md, "Scale simulation"). An array holds no
+    objects to walk."""
 
     messages: list[dict[str, Any]] | None  # the previous request's messages, as dumped (None:
     # a raw completion, which no chat call continues)

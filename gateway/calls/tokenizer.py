@@ -28,9 +28,9 @@ from transformers import PreTrainedTokenizerBase
 _CACHED_TEXT_CHARS = 32
 _CACHE_ENTRIES = 4096
 # Longer texts are encoded through `encode_batch`, which gives the same ids but releases the
-# GIL while Rust works (`encode` holds it: 2 MB of text held every other thread, the event loop
-# included, for 2 s). So a render in a worker thread (pipeline.py) leaves the loop running.
-# It costs nothing more: a one-text batch takes what `encode` takes at every length measured.
+# GIL while Rust works (`encode` holds it, and a long text holds every other thread, the event
+# loop included). So a render in a worker thread (pipeline.py) leaves the loop running. It
+# costs nothing more (measured in docs/performance.md).
 _GIL_FREE_CHARS = 1024
 
 

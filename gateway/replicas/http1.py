@@ -1,9 +1,9 @@
 """A minimal HTTP/1.1 client for generate requests: the gateway's hot path to its replicas.
 
-One generate request is a POST with a JSON body whose answer streams back as SSE. aiohttp did
-that for about 190 us of CPU per request against the benchmark's fixture replica (its request
-and response objects, and Python work per HTTP chunk of the body, that is per token); the same
-request on a bare asyncio protocol with httptools' C parser, as here, takes about 25 us. Only
+One generate request is a POST with a JSON body whose answer streams back as SSE. aiohttp
+spends most of its CPU per request on its request and response objects and on Python work per
+HTTP chunk of the body, that is per token; a bare asyncio protocol with httptools' C parser, as
+here, takes a fraction of that (measured in docs/performance.md). Only
 what generate requests need is here: keep-alive connections pooled per replica, bodies handed
 over as they arrive (all that has arrived at each read), chunked or sized bodies, TLS for https
 URLs, a connect timeout, and no read timeout (a generation may run for minutes).

@@ -58,7 +58,7 @@ class PauseGate:
         # An event, not a condition: a condition's waiters wake one per loop iteration (each
         # takes its lock in turn), so resuming N waiting calls took ~3N iterations of a loop
         # that was busy with everything else, and a pause right after queued behind them
-        # (seconds at 900 waiting calls, benchmarks/README.md "Scale simulation"). An event
+        # (benchmarks/README.md, "Scale simulation"). An event
         # wakes them all at once; each checks the state again when it runs.
         self._serving = asyncio.Event()
         self._serving.set()

@@ -261,10 +261,9 @@ class ReplicaClient:
 
         A sync pauses every replica at once, on the event loop that is also closing every cut
         stream, and the generate client costs a fraction of httpx on aiohttp's CPU per pause
-        (benchmarks/pause_fanout.py; docs/performance.md, "Gateway: HTTP clients to the
-        replicas"). Only for `abort`: it cuts (or
-        waits out) every stream before pausing, so the client's connection slots come free,
-        where `keep` leaves up to all of them held by frozen streams."""
+        (benchmarks/pause_fanout.py; docs/performance.md, "Gateway"). Only for `abort`: it cuts
+        (or waits out) every stream before pausing, so the client's connection slots come
+        free, where `keep` leaves up to all of them held by frozen streams."""
         url = f"{self.url}{path}"
         try:
             async with asyncio.timeout(_ADMIN_TIMEOUT_S):

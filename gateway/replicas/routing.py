@@ -5,17 +5,16 @@ sticky replica that is unhealthy, or overloaded, loses the session to the least-
 Overloaded is busier than the least-loaded healthy replica by more than `max_imbalance` calls
 *and* more than `max_ratio` times the other replicas' mean. The least-loaded of many replicas is
 an extreme draw: agents think between calls, so each replica's in-flight count swings by a few
-calls, and the quietest of 64 sits far below the rest. Against it alone a bound of a few calls
-moved one session in ten at 16 replicas and 500 sessions (benchmarks/scale_simulation.py), each
-move a full re-prefill of the session's history elsewhere, to dodge a queue that a continuous
-batch barely feels. The mean moves little; a replica really carrying twice its share still
+calls, and the quietest of dozens sits far below the rest. Against it alone a bound of a few
+calls moved many sessions (measured in docs/performance.md), each move a full re-prefill of the
+session's history elsewhere, to dodge a queue that a continuous batch barely feels. The mean moves little; a replica really carrying twice its share still
 sheds sessions.
 
 A session that needs a replica (a new one, or one leaving its sticky replica) goes to the
 fewest open sessions plus calls in flight, not to the fewest calls in flight: which replica is
 quietest this instant is mostly which one's agents happen to be thinking, and they come back.
-Placed by that draw, 2,000 sessions over 64 replicas left the busiest replica 7-15% above the
-mean in generated tokens (run to run); counting what each replica holds spreads them evenly,
+Placed by that draw, thousands of sessions left the busiest replica well above the mean in
+generated tokens (docs/performance.md); counting what each replica holds spreads them evenly,
 while a replica whose calls pile up (a slow one) still counts them and gets fewer. A burst of
 new sessions, none of them in flight yet, spreads too.
 """

@@ -2,11 +2,11 @@
 
 The replica client needs only this from an HTTP stack, and on the hot path every layer costs:
 `httpx.AsyncClient` (cookies, auth, redirects, its request and response models) over aiohttp
-(its own request objects and Python work per HTTP chunk, that is per token) cost more CPU per
-call than the rest of the gateway (docs/performance.md, "Gateway: HTTP clients to the
-replicas"). So the gateway's own stack sends generate requests with a minimal HTTP/1.1 client
-(`http1.Http1Upstream`), and an injected `httpx.AsyncClient` (tests use httpx's mock transport)
-is used through `HttpxUpstream`.
+(its own request objects and Python work per HTTP chunk, that is per token) made a large part
+of each call's CPU (measured in docs/performance.md, "Gateway"). So the gateway's own stack
+sends generate requests with a minimal HTTP/1.1 client (`http1.Http1Upstream`), and an
+injected `httpx.AsyncClient` (tests use httpx's mock transport) is used through
+`HttpxUpstream`.
 
 Both keep the same semantics: transport failures raise `ReplicaUnavailable`, a body read to its
 end returns the connection to the pool, and one left early closes its connection, which is how

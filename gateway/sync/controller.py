@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 def _no_collection() -> Iterator[None]:
     """No garbage collection starts while the gateway pauses (abort, keep: quick by design;
     drain waits for whole calls and collects as usual): a full one walks every session's
-    state with the event loop stopped (0.1-0.4 s at 2,000 sessions, benchmarks/README.md
-    "Scale simulation"), and every replica keeps generating until the pause reaches it."""
+    state with the event loop stopped (measured in benchmarks/README.md, "Scale simulation"),
+    and every replica keeps generating until the pause reaches it."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -99,8 +99,8 @@ class SyncController:
         try:
             if mode == "abort":
                 # Cut first: an engine asked to pause with its streams still running waits out
-                # a longer step and aborts them itself (pausing first made the stand-in engines'
-                # pause p50 20 -> 47 ms, the fan-out's p50 120 -> 231 ms at 64 x 2,000).
+                # a longer step and aborts them itself, which made pauses slower (measured in
+                # benchmarks/README.md, "Scale simulation").
                 self._cut_segments()
                 if any(seg.constrained for seg in self.gate.segments.values()):
                     # Constrained segments finish before vLLM's own pause would abort them.
