@@ -2,8 +2,8 @@
 
 Agents in a training run open thousands of short-lived OpenAI clients. Each `AsyncOpenAI()`
 built without an `http_client` creates its own httpx transport, and with it a fresh TLS
-context (about 1 ms of CPU, even for the plain-HTTP gateway), then its own connections: in the
-tool-delay benchmark that was a quarter of the coordinator's CPU. Rollouts that take their
+context (even for the plain-HTTP gateway), then its own connections: a large share of the
+coordinator's CPU in a run (measured in docs/performance.md). Rollouts that take their
 client from `RolloutContext.openai_client()` share one aiohttp pool instead.
 """
 

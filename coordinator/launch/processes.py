@@ -11,8 +11,8 @@ distributions: `/proc/sys/kernel/sched_autogroup_enabled`) each session is a sch
 its own, and CPU time is shared out between groups before threads. With every replica and the
 gateway in a session of their own, the gateway sat runnable but unscheduled for up to a second
 at a time while the replicas' groups held both cores of a 2-core machine (the "gateway stalls"
-behind a weight-sync pause p99 of 0.6-6.4 s; 32-73 ms once they shared the coordinator's
-session). In one session every thread competes on its own weight.
+behind a slow weight-sync pause, gone once they shared the coordinator's session: measured in
+docs/performance.md). In one session every thread competes on its own weight.
 """
 
 from __future__ import annotations
