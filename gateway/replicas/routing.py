@@ -7,8 +7,8 @@ Overloaded is busier than the least-loaded healthy replica by more than `max_imb
 an extreme draw: agents think between calls, so each replica's in-flight count swings by a few
 calls, and the quietest of dozens sits far below the rest. Against it alone a bound of a few
 calls moved many sessions (measured in docs/performance.md), each move a full re-prefill of the
-session's history elsewhere, to dodge a queue that a continuous batch barely feels. The mean moves little; a replica really carrying twice its share still
-sheds sessions.
+session's history elsewhere, to dodge a queue that a continuous batch barely feels. The mean
+moves little; a replica really carrying twice its share still sheds sessions.
 
 A session that needs a replica (a new one, or one leaving its sticky replica) goes to the
 fewest open sessions plus calls in flight, not to the fewest calls in flight: which replica is
