@@ -21,9 +21,11 @@ Otherwise it raises before changing anything, and the gateway falls back to `rel
 
 The kernel layout (`lockgate_snapshot_layout`): vLLM-CPU's oneDNN handle build reads the
 weight as `weight.t()`, so from a checkpoint's [out, in] rows it reorders a transposed,
-strided source (~3x a memcpy of the bytes). Asked which layers it packs so, the replica names
-them with their checkpoint tensors; a trainer that then stores each as one tensor, joined and
-transposed to [in, out] (snapshot_file.py), hands oneDNN a contiguous source instead (~1.4-1.5x).
+strided source, several times the cost of a memcpy of the bytes. Asked which layers it packs
+so, the replica names them with their checkpoint tensors; a trainer that then stores each as
+one tensor, joined and transposed to [in, out] (snapshot_file.py), hands oneDNN a contiguous
+source instead, about half the cost (measured in docs/performance.md and
+benchmarks/repack_floor.py).
 
 Staging (`lockgate_stage_snapshot`, opt-in): the handle builds are nearly all of a load's
 time, and they need not wait for the pause. Staged in short slices between engine steps (each
