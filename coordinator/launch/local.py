@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
+from lockgate.coordinator.errors import LockgateError, RunFailed
 from lockgate.coordinator.launch.cpu_priority import session_niced
 from lockgate.coordinator.launch.deploy_checks import (
     DeployError,
@@ -59,19 +61,23 @@ if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
 log = logging.getLogger(__name__)
 
 
-class RunStopped(RuntimeError):
+class RunStopped(RunFailed):
     """The run stopped on a failure the operator can act on; the message is one line."""
 
 
-def _trainer_stopped(
-    exc: BaseException, trainer: TrainerProcess, version: int
-) -> RunStopped | None:
-    """The one line for a trainer failure (a weight export that hit a full disk, a dead rank)
-    that the loop's task group wrapped; None for any other failure."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    if not isinstance(exc, TrainerError):
-        return None
+def _loop_failure(exc: Exception, trainer: TrainerProcess, version: int) -> LockgateError | None:
+    """The error to report for a failure of the loop that its task group wrapped: a trainer
+    failure as one `RunStopped` line, any other of ours as it is; None for the rest."""
+    inner: BaseException = exc
+    while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+        inner = inner.exceptions[0]
+    if isinstance(inner, TrainerError):
+        return _trainer_stopped(inner, trainer, version)
+    return inner if isinstance(inner, LockgateError) and inner is not exc else None
+
+
+def _trainer_stopped(exc: TrainerError, trainer: TrainerProcess, version: int) -> RunStopped:
+    """The one line for a trainer failure (a weight export that hit a full disk, a dead rank)."""
     # The first line says which step, the last the cause (a traceback's exception line).
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     what = lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
@@ -266,26 +272,40 @@ async def _watched(
     return main.result()
 
 
+@dataclass
+class _Parts:
+    """A run's processes once launched: the gateway the loop calls (no process when it runs
+    elsewhere), the validation gateway when the run validates, and the trainer."""
+
+    gateway_url: str
+    admin_token: str
+    gateway: GatewayProcess | None
+    val_gateway: GatewayProcess | None
+    trainer: TrainerProcess
+
+    def started_gateways(self) -> list[GatewayProcess]:
+        """The gateways this run started: the run stops if one of them dies."""
+        return [g for g in (self.gateway, self.val_gateway) if g is not None]
+
+
 async def _run_loop(
     config: RunConfig,
     env: Environment,
-    trainer: TrainerProcess,
+    parts: _Parts,
     run_dir: Path,
     sinks: list[MetricSink],
-    admin_token: str,
-    gateway_url: str,
     validation_at: tuple[str, list[Task]] | None,
     state: LoopState | None,
     rewards: list[float],
-    gateways: list[GatewayProcess],
 ) -> RunSummary:
     """The training loop against the started processes (`validation_at`: the validation
-    gateway's URL and the held-out tasks, when validating), stopped if one of `gateways` (those
-    the run started) dies."""
+    gateway's URL and the held-out tasks, when validating), stopped if a gateway the run
+    started dies."""
+    trainer, admin_token = parts.trainer, parts.admin_token
     metrics = MetricsLog(RunDir(run_dir).metrics, config.loop.steps, sinks=sinks)
     async with contextlib.AsyncExitStack() as clients:
         clients.push_async_callback(close_shared_transport)
-        client = await clients.enter_async_context(GatewayClient(gateway_url, admin_token))
+        client = await clients.enter_async_context(GatewayClient(parts.gateway_url, admin_token))
         validation = None
         if validation_at is not None:
             val_url, val_tasks = validation_at
@@ -307,12 +327,13 @@ async def _run_loop(
                 previous_rewards=rewards,
             )
             try:
-                return await _watched(loop.run(), gateways)
+                return await _watched(loop.run(), parts.started_gateways())
             except Exception as exc:
-                stopped = _trainer_stopped(exc, trainer, loop.version)
-                if stopped is None:
+                failure = _loop_failure(exc, trainer, loop.version)
+                if failure is None:
                     raise
-                raise stopped from exc
+                # Ours is reported as it is, not as the task group around it.
+                raise failure from (exc if isinstance(failure, RunStopped) else None)
         finally:
             metrics.close()
 
@@ -350,10 +371,10 @@ def _trainer_first(config: RunConfig) -> bool:
     return local and vllm_is_cpu_build()
 
 
-def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
-    """Run `config`; with `resume`, continue the run in its run dir from its newest checkpoint."""
-    # Bad deploy input (model dir, ports, the replicas or gateway given by URL) fails here,
-    # before anything starts.
+def _check_and_record(config: RunConfig, resume: bool) -> ExternalGateway | None:
+    """Check the run's deploy input, then write its config into its run dir; the gateway at
+    `gateway.url` when the run uses one. Bad deploy input (model dir, ports, the replicas or
+    gateway given by URL) fails here, before anything starts."""
     external = check_run_parts(config, resume=resume)
     run_dir = run_dir_of(config)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -363,13 +384,12 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     if elsewhere and config.launcher != "ray":
         check_replicas_read(run.snapshots, elsewhere)
     run.config.write_text(config.model_dump_json(indent=2))
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    check_sinks(config.metrics)
+    return external
 
-    model_dir = config.model.path or ensure_tiny_model()
-    env = load_environment(config.environment, model_dir, run.agent_logs)
-    val_tasks = val_tasks_of(env) if config.loop.val_every else None
-    trainer_config = TrainerConfig.model_validate(
+
+def _trainer_config(config: RunConfig, model_dir: Path, resume: bool) -> TrainerConfig:
+    """The trainer ranks' config: the run's trainer section and what it takes from the rest."""
+    return TrainerConfig.model_validate(
         {
             **config.trainer.model_dump(),
             "entropy_coef": config.algorithm.entropy_coef,
@@ -379,6 +399,88 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         }
     )
 
+
+def _launch_parts(
+    config: RunConfig,
+    external: ExternalGateway | None,
+    model_dir: Path,
+    run_dir: Path,
+    trainer_config: TrainerConfig,
+    *,
+    validate: bool,
+    stack: contextlib.ExitStack,
+    ray_parts: RayParts | None,
+) -> _Parts:
+    """Launch the gateway (on replicas started first when the run starts its own), the trainer
+    and, with `validate`, the validation gateway, without waiting for them; `stack` stops them."""
+    gateway_url, admin_token, gateway_config, gateway = _gateway(
+        config, external, model_dir, run_dir, stack, ray_parts
+    )
+    _say(f"starting {trainer_config.world_size} trainer rank(s)")
+    run = RunDir(run_dir)
+    trainer = (
+        TrainerProcess(trainer_config, run.trainer, log_path=run.trainer_log)
+        if ray_parts is None
+        else ray_parts.trainer(run.trainer, run.trainer_log)
+    )
+    stack.callback(trainer.stop)
+    trainer.launch()
+    val_gateway: GatewayProcess | None = None
+    if validate:
+        val_gateway = _validation_gateway(gateway_config, run_dir)
+        stack.callback(val_gateway.stop)
+        val_gateway.launch()
+    return _Parts(gateway_url, admin_token, gateway, val_gateway, trainer)
+
+
+def _wait_parts(
+    config: RunConfig,
+    parts: _Parts,
+    run_dir: Path,
+    trainer_config: TrainerConfig,
+    stack: contextlib.ExitStack,
+    ray_parts: RayParts | None,
+) -> tuple[LoopState | None, list[float]]:
+    """Wait until the launched parts serve, and return where the loop resumes (`_resume_point`).
+    On Ray, the cluster's supervision starts then, stopped by `stack`."""
+    # The gateways and the trainer start at once: each spends seconds importing and loading,
+    # which one after another would add up (docs/performance.md).
+    if parts.gateway is not None:
+        _wait_serving(config, parts.gateway, parts.admin_token)
+    parts.trainer.wait_ready()
+    state, rewards = _resume_point(run_dir, parts.trainer.resumed_step(), trainer_config.resume)
+    if parts.val_gateway is not None:
+        parts.val_gateway.wait_ready()
+    if ray_parts is not None:
+        val_urls = [parts.val_gateway.url] if parts.val_gateway is not None else []
+        ray_parts.supervise(
+            [parts.gateway_url, *val_urls], parts.admin_token, parts.trainer.snapshot_dir
+        )
+        stack.callback(ray_parts.stop_supervising)
+    return state, rewards
+
+
+def _stopping_what(config: RunConfig, external: ExternalGateway | None) -> str:
+    """What the end of the run stops: only the parts the run started itself."""
+    if external is not None:
+        return "stopping the trainer (the external gateway and its replicas go on)"
+    if config.replicas.urls:
+        return "stopping trainer and gateway (the replicas it was given go on)"
+    return "stopping trainer, gateway and replicas"
+
+
+def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
+    """Run `config`; with `resume`, continue the run in its run dir from its newest checkpoint."""
+    external = _check_and_record(config, resume)
+    run_dir = run_dir_of(config)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    check_sinks(config.metrics)
+
+    model_dir = config.model.path or ensure_tiny_model()
+    env = load_environment(config.environment, model_dir, RunDir(run_dir).agent_logs)
+    val_tasks = val_tasks_of(env) if config.loop.val_every else None
+    trainer_config = _trainer_config(config, model_dir, resume)
+
     with contextlib.ExitStack() as stack:
         if _trainer_first(config):
             stack.enter_context(session_niced(TRAINER_FIRST_NICE))
@@ -386,35 +488,17 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
         ray_parts = _ray_parts(config, trainer_config, stack)
-        gateway_url, admin_token, gateway_config, gateway = _gateway(
-            config, external, model_dir, run_dir, stack, ray_parts
+        parts = _launch_parts(
+            config,
+            external,
+            model_dir,
+            run_dir,
+            trainer_config,
+            validate=val_tasks is not None,
+            stack=stack,
+            ray_parts=ray_parts,
         )
-        _say(f"starting {trainer_config.world_size} trainer rank(s)")
-        trainer_dir, trainer_log = run.trainer, run.trainer_log
-        trainer = (
-            TrainerProcess(trainer_config, trainer_dir, log_path=trainer_log)
-            if ray_parts is None
-            else ray_parts.trainer(trainer_dir, trainer_log)
-        )
-        stack.callback(trainer.stop)
-        trainer.launch()
-        val_gateway: GatewayProcess | None = None
-        if val_tasks is not None:
-            val_gateway = _validation_gateway(gateway_config, run_dir)
-            stack.callback(val_gateway.stop)
-            val_gateway.launch()
-        # The gateways and the trainer start at once: each spends seconds importing and loading,
-        # which one after another would add up (docs/performance.md).
-        if gateway is not None:
-            _wait_serving(config, gateway, admin_token)
-        trainer.wait_ready()
-        state, rewards = _resume_point(run_dir, trainer.resumed_step(), trainer_config.resume)
-        if val_gateway is not None:
-            val_gateway.wait_ready()
-        if ray_parts is not None:
-            gateways = [gateway_url] + ([val_gateway.url] if val_gateway is not None else [])
-            ray_parts.supervise(gateways, admin_token, trainer.snapshot_dir)
-            stack.callback(ray_parts.stop_supervising)
+        state, rewards = _wait_parts(config, parts, run_dir, trainer_config, stack, ray_parts)
         sinks = open_sinks(
             config.metrics,
             run_dir,
@@ -423,35 +507,18 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             state.step if state is not None else 0,
         )
 
-        _say(f"training for {config.loop.steps} steps (metrics in {run.metrics})")
+        _say(f"training for {config.loop.steps} steps (metrics in {RunDir(run_dir).metrics})")
         # The agents share this process's event loop with the loop itself; start-up left
         # hundreds of thousands of objects (torch, transformers) that each full collection
         # would walk with that loop stopped (as in the gateway, gateway/__main__.py).
         gc.collect()
         gc.freeze()
+        val_gateway = parts.val_gateway
         validation = (
             None if val_gateway is None or val_tasks is None else (val_gateway.url, val_tasks)
         )
         summary = asyncio.run(
-            _run_loop(
-                config,
-                env,
-                trainer,
-                run_dir,
-                sinks,
-                admin_token,
-                gateway_url,
-                validation,
-                state,
-                rewards,
-                [g for g in (gateway, val_gateway) if g is not None],
-            )
+            _run_loop(config, env, parts, run_dir, sinks, validation, state, rewards)
         )
-        if external is not None:
-            done = "stopping the trainer (the external gateway and its replicas go on)"
-        elif config.replicas.urls:
-            done = "stopping trainer and gateway (the replicas it was given go on)"
-        else:
-            done = "stopping trainer, gateway and replicas"
-        _say(f"run finished; {done}")
+        _say(f"run finished; {_stopping_what(config, external)}")
     return summary
