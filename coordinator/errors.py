@@ -6,11 +6,11 @@ ends with. The tree, with where each class is raised:
 
 * LockgateError               exit 2: bad input, found before anything ran
   + ConfigError               a config file, variable or --set that does not load (here)
-  + UsageError                arguments that do not go together, an input file missing or unusable
+  + UsageError                arguments that do not go together, a file missing or unusable
   + DeployError               a run part's place: model dir, ports, URLs (launch/deploy_checks.py)
   + ReportError               a run dir without usable metrics (metrics/report.py)
   + Interrupted               exit 130: Ctrl-C or SIGTERM stopped the command and what it started
-  + RunFailed                 exit 1: failed at run time
+  + RunFailed                 exit 1: failed at run time (SFT ranks, a gateway out of reach)
     - ReplicaStartError       a replica did not serve (launch/replicas.py)
     - GatewayStartError       a gateway did not serve (launch/gateway.py)
     - GatewayDied             a gateway the run started exited mid-run (launch/gateway.py)
@@ -53,7 +53,7 @@ class ConfigError(LockgateError):
 
 
 class UsageError(LockgateError):
-    """Arguments that do not go together, or an input file that is missing or unusable."""
+    """Arguments that do not go together, or a file named that is missing or unusable."""
 
 
 class Interrupted(LockgateError):
