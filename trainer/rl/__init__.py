@@ -1,2 +1,2 @@
-"""The RL rank program (`main.py`) and the file protocol it speaks with the coordinator
-(`protocol.py`)."""
+"""The RL rank program (`main.py`): serves training steps through the file protocol of the
+trainer's core (`trainer/protocol.py`)."""
