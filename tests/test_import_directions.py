@@ -99,6 +99,7 @@ RULES: dict[str, list[str]] = {
         AR,
         T,
         f"{T}.tiny_models",
+        f"{T}.sft",  # `lockgate sft` launches the SFT ranks on its resolved config and data
     ],
     f"{C}.launch.ray": [C, f"{C}.metrics", f"{C}.launch", "gateway:*", AR, T],
     f"{C}.cli": ["coordinator:*", "gateway:*", AR, "trainer:*"],
