@@ -140,9 +140,11 @@ class TrainerConfig(BaseModel):
         default="auto",
         description=(
             "The forward and backward's dtype; master weights, gradients' reduction and the "
-            "optimizer stay float32. auto: bfloat16 on CUDA, float32 on CPU, where RL keeps "
-            "vLLM-CPU's float32 numerics. bfloat16 on a CPU with AMX pays on packed rows, not "
-            "on short conversations run one at a time (docs/design.md, GPU)."
+            "optimizer stay float32. auto (resolved by each rank at start, trainer/precision.py, "
+            "and logged with the CPU's flags): bfloat16 on CUDA; on CPU bfloat16 only for packed "
+            "rows on a CPU with AMX (amx_bf16), since without AMX bf16 matmuls were slower than "
+            "float32 and with it one short sample per pass was too; RL on CPU stays float32, "
+            "matching vLLM-CPU's float32 log-probabilities (docs/design.md, GPU)."
         ),
     )
     keep_snapshots: int = Field(

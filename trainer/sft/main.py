@@ -34,6 +34,7 @@ from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.loss import sample_weights, token_logprobs
 from lockgate.trainer.model import forward_logits, load_policy, pad_batch
 from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
+from lockgate.trainer.precision import choose_compute_dtype, read_cpu_info
 from lockgate.trainer.rank import (
     die_with_launcher,
     export_model,
@@ -209,12 +210,28 @@ def _recorded_losses(
     return shared[0]
 
 
+def _with_compute_dtype(trainer: TrainerConfig, world: Distributed) -> TrainerConfig:
+    """`trainer` with `compute_dtype: auto` resolved for this rank's device and CPU; rank 0
+    prints the choice as a progress line, which `lockgate sft` echoes."""
+    choice = choose_compute_dtype(
+        trainer.compute_dtype,
+        device=world.device.type,
+        cpu=read_cpu_info(),
+        packed=world.pack,
+        float32_rollouts=False,
+    )
+    if world.is_main:
+        print(f"sft {choice.line()}", file=sys.stderr, flush=True)
+    return trainer.model_copy(update={"compute_dtype": choice.dtype})
+
+
 def train(config: SFTConfig, *, resume: bool) -> None:
     layout = config.layout
     trainer = config.trainer.to_trainer_config(config.model_dir)
     world = init_distributed(trainer.device, trainer.micro_batch_packing)
     torch.set_num_threads(trainer.num_threads)
     torch.manual_seed(trainer.seed)
+    trainer = _with_compute_dtype(trainer, world)
     examples = read_examples(layout.train_data)
     val = read_examples(layout.val_data) if config.data.val_path is not None else []
     plan = _plan(config, examples)
