@@ -66,6 +66,47 @@ class ReplicasSection(BaseModel):
         description="Wait for /health this long: of the replicas started here, or of those at "
         "`urls` (a URL that never answers is an error naming it).",
     )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto",
+        description="Where replicas started here run. auto: cuda when torch sees a GPU and the "
+        "installed vLLM is not the CPU build, else cpu (docs/deploy.md, 'GPUs').",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="The replicas' --dtype. auto: bfloat16 on cuda, float32 on cpu."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Share of each GPU's memory a replica takes (cuda). Unset: vLLM's default on "
+        "GPUs of its own; on a GPU shared with a trainer rank, what the rank leaves.",
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (cuda).")
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Sequences a replica batches at once; unset: vLLM's."
+    )
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Run the model eagerly (no compilation, no CUDA graphs). Unset: eager on "
+        "the CPU build of vLLM only, where compiling costs each start and buys nothing.",
+    )
+    gpus: list[int] | None = Field(
+        default=None,
+        description="GPUs of the replicas started here (indices among the visible ones): "
+        "replica i takes entries [i*T, (i+1)*T) for tensor_parallel_size T. Unset: the first "
+        "free ones.",
+    )
+    colocate: bool | None = Field(
+        default=None,
+        description="Share GPUs with the trainer ranks (one replica shard and one rank per GPU), "
+        "gpu_memory_utilization set so both fit. Unset: with one GPU.",
+    )
+    colocate_margin_gib: float = Field(
+        default=4.0,
+        ge=0,
+        description="GPU memory a trainer rank sharing a GPU needs beyond its sharded weights, "
+        "gradients and Adam states (activations, CUDA context, NCCL buffers).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +217,12 @@ class SyncSection(BaseModel):
 class TrainerSection(TrainerConfig):
     model_dir: Path | None = Field(  # type: ignore[assignment]
         default=None, description="Filled from model.path at launch; leave unset."
+    )
+    gpus: list[int] | None = Field(
+        default=None,
+        description="GPUs of the trainer ranks on this node (indices among the visible ones; "
+        "rank r takes entry r), for trainer.device cuda. Unset: the first ones the replicas "
+        "leave.",
     )
     # The entropy term is the algorithm's choice, not the machinery's: it is set in
     # `algorithm.entropy_coef` and handed to the trainer at launch.
@@ -369,9 +416,23 @@ class RaySection(BaseModel):
         default="lockgate", min_length=1, description="Ray namespace of the run's named actors."
     )
     replica_cpus: float = Field(default=1.0, gt=0, description="CPUs per replica (its bundle).")
-    replica_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica (its bundle).")
+    num_gpus: int | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs of a local cluster started for the run (unset: the ones Ray detects).",
+    )
+    replica_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs per replica (its bundle). Unset: replicas.tensor_parallel_size when "
+        "the replicas run on cuda, else 0.",
+    )
     trainer_cpus: float = Field(default=1.0, gt=0, description="CPUs per trainer rank.")
-    trainer_gpus: float = Field(default=0.0, ge=0, description="GPUs per trainer rank.")
+    trainer_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs per trainer rank. Unset: 1 when the trainer runs on cuda, else 0.",
+    )
     placement_timeout_s: float = Field(
         default=60.0,
         gt=0,
@@ -390,11 +451,12 @@ class RaySection(BaseModel):
 
     @model_validator(mode="after")
     def _num_cpus_of_a_local_cluster(self) -> RaySection:
-        if self.address is not None and self.num_cpus is not None:
-            raise ValueError(
-                "num_cpus sizes a local cluster started for the run; a cluster at `address` "
-                "has the CPUs its nodes declare (ray start --num-cpus)"
-            )
+        for option in ("num_cpus", "num_gpus"):
+            if self.address is not None and getattr(self, option) is not None:
+                raise ValueError(
+                    f"{option} sizes a local cluster started for the run; a cluster at "
+                    f"`address` has what its nodes declare (ray start --{option.replace('_', '-')})"
+                )
         return self
 
 

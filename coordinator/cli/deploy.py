@@ -47,6 +47,7 @@ from lockgate.coordinator.launch.parts import (
     replica_launch_config_of,
     run_dir_of,
 )
+from lockgate.coordinator.launch.placement import Placement, placement_here, placement_lines
 from lockgate.coordinator.launch.processes import client_host, free_port
 from lockgate.coordinator.launch.replicas import LocalReplicaSet
 from lockgate.coordinator.run_dir import RunDir
@@ -191,6 +192,16 @@ def _admin_token(section: GatewaySection) -> tuple[str, bool]:
     return token, False
 
 
+def _placed(config: RunConfig, model_dir: Path) -> Placement:
+    """The replicas' device and GPUs on this node (printed when any is a GPU)."""
+    placement = placement_here(
+        config, model_dir, replicas_here=config.replicas.count, trainer_ranks=0
+    )
+    for line in placement_lines(placement):
+        _say(line)
+    return placement
+
+
 def _replicas(config: RunConfig) -> int:
     if config.replicas.urls:
         raise DeployError(
@@ -207,7 +218,9 @@ def _replicas(config: RunConfig) -> int:
     )
     with _service() as stack:
         replicas = LocalReplicaSet(
-            replica_launch_config_of(config, model_dir, RunDir(run_dir).logs)
+            replica_launch_config_of(
+                config, model_dir, RunDir(run_dir).logs, _placed(config, model_dir)
+            )
         )
         stack.callback(replicas.stop)
         try:
@@ -292,7 +305,9 @@ def _serve(config: RunConfig) -> int:
                     f"(logs in {RunDir(run_dir).logs})"
                 )
                 replicas = LocalReplicaSet(
-                    replica_launch_config_of(config, model_dir, RunDir(run_dir).logs)
+                    replica_launch_config_of(
+                        config, model_dir, RunDir(run_dir).logs, _placed(config, model_dir)
+                    )
                 )
                 stack.callback(replicas.stop)
                 replicas.start()

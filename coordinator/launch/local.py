@@ -40,6 +40,12 @@ from lockgate.coordinator.launch.parts import (
     replica_launch_config_of,
     run_dir_of,
 )
+from lockgate.coordinator.launch.placement import (
+    Placement,
+    placement_here,
+    placement_lines,
+    trainer_gpus,
+)
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, vllm_is_cpu_build
 from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
 from lockgate.coordinator.loop.state import LoopState, load_state, truncate_steps
@@ -174,17 +180,19 @@ def _replica_urls(
     run_dir: Path,
     stack: contextlib.ExitStack,
     ray_parts: RayParts | None,
+    placement: Placement,
 ) -> list[str]:
     """The replicas the config names, or ones started now (stopped by `stack`): on Ray with
-    `ray_parts`, else on this machine."""
+    `ray_parts`, else on this machine, on the devices of `placement`."""
     urls = config.replicas.urls
     logs = RunDir(run_dir).logs
     if ray_parts is not None:
         _say(f"starting {config.replicas.count} vLLM replica(s) on Ray (logs in {logs})")
-        urls = ray_parts.start_replicas(replica_launch_config_of(config, model_dir, logs))
+        launch = replica_launch_config_of(config, model_dir, logs, placement)
+        urls = ray_parts.start_replicas(launch)
     elif not urls:
         _say(f"starting {config.replicas.count} vLLM replica(s) (logs in {logs})")
-        replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, logs))
+        replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, logs, placement))
         stack.callback(replicas.stop)
         replicas.start()
         urls = replicas.urls
@@ -200,6 +208,7 @@ def _gateway(
     run_dir: Path,
     stack: contextlib.ExitStack,
     ray_parts: RayParts | None,
+    placement: Placement,
 ) -> tuple[str, str, GatewayConfig, GatewayProcess | None]:
     """The gateway's URL and admin token, the config of a gateway like it (validation's
     starts from it) and its process: the one at `gateway.url` (no process), or one launched now
@@ -212,7 +221,7 @@ def _gateway(
             config, model_dir, external.replica_urls, run_dir, external.admin_token
         )
         return external.url, external.admin_token, like, None
-    urls = _replica_urls(config, model_dir, run_dir, stack, ray_parts)
+    urls = _replica_urls(config, model_dir, run_dir, stack, ray_parts, placement)
     given = admin_token_of(config.gateway)
     admin_token = given or new_admin_token()
     gateway_config = gateway_config_of(config, model_dir, urls, run_dir, admin_token)
@@ -359,6 +368,26 @@ def _ray_parts(
     return parts
 
 
+def _placement(
+    config: RunConfig,
+    external: ExternalGateway | None,
+    model_dir: Path,
+    trainer_config: TrainerConfig,
+    ray_parts: RayParts | None,
+) -> Placement:
+    """The devices of the run's parts and, on this node's GPUs, each part's GPUs (printed):
+    the cluster's on Ray, where Ray assigns the GPUs."""
+    if ray_parts is not None:
+        return ray_parts.placement
+    here = 0 if external is not None or config.replicas.urls else config.replicas.count
+    placement = placement_here(
+        config, model_dir, replicas_here=here, trainer_ranks=trainer_config.world_size
+    )
+    for line in placement_lines(placement):
+        _say(line)
+    return placement
+
+
 # How far this session's group yields to the trainer's: enough for the trainer to get the core
 # it needs (coordinator/launch/cpu_priority.py; docs/performance.md).
 TRAINER_FIRST_NICE = 10
@@ -391,7 +420,7 @@ def _trainer_config(config: RunConfig, model_dir: Path, resume: bool) -> Trainer
     """The trainer ranks' config: the run's trainer section and what it takes from the rest."""
     return TrainerConfig.model_validate(
         {
-            **config.trainer.model_dump(),
+            **config.trainer.model_dump(exclude={"gpus"}),
             "entropy_coef": config.algorithm.entropy_coef,
             "model_dir": model_dir,
             "seed": config.seed,
@@ -410,16 +439,19 @@ def _launch_parts(
     validate: bool,
     stack: contextlib.ExitStack,
     ray_parts: RayParts | None,
+    placement: Placement,
 ) -> _Parts:
     """Launch the gateway (on replicas started first when the run starts its own), the trainer
     and, with `validate`, the validation gateway, without waiting for them; `stack` stops them."""
     gateway_url, admin_token, gateway_config, gateway = _gateway(
-        config, external, model_dir, run_dir, stack, ray_parts
+        config, external, model_dir, run_dir, stack, ray_parts, placement
     )
     _say(f"starting {trainer_config.world_size} trainer rank(s)")
     run = RunDir(run_dir)
     trainer = (
-        TrainerProcess(trainer_config, run.trainer, log_path=run.trainer_log)
+        TrainerProcess(
+            trainer_config, run.trainer, log_path=run.trainer_log, gpus=trainer_gpus(placement)
+        )
         if ray_parts is None
         else ray_parts.trainer(run.trainer, run.trainer_log)
     )
@@ -488,6 +520,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
         ray_parts = _ray_parts(config, trainer_config, stack)
+        placement = _placement(config, external, model_dir, trainer_config, ray_parts)
         parts = _launch_parts(
             config,
             external,
@@ -497,6 +530,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             validate=val_tasks is not None,
             stack=stack,
             ray_parts=ray_parts,
+            placement=placement,
         )
         state, rewards = _wait_parts(config, parts, run_dir, trainer_config, stack, ray_parts)
         sinks = open_sinks(

@@ -9,12 +9,24 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lockgate.coordinator.config import GatewaySection, RunConfig
 from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.records.advantages import AdvantageSpec
+
+if TYPE_CHECKING:  # placement.py imports deploy_checks, which imports this module
+    from lockgate.coordinator.launch.placement import Placement
+
+
+def replica_dtype(asked: str, device: str) -> str:
+    """`auto`: bfloat16 on cuda (what GPUs serve at full speed), float32 on cpu (bf16 matmuls
+    are slower than fp32 on CPUs without native bf16 units)."""
+    if asked != "auto":
+        return asked
+    return "bfloat16" if device == "cuda" else "float32"
 
 
 def run_dir_of(config: RunConfig) -> Path:
@@ -52,11 +64,23 @@ def gateway_config_of(
 
 
 def replica_launch_config_of(
-    config: RunConfig, model_dir: Path, log_dir: Path
+    config: RunConfig, model_dir: Path, log_dir: Path, placement: Placement
 ) -> ReplicaLaunchConfig:
-    """The local vLLM replicas a run (or `lockgate replicas` / `serve`) starts."""
+    """The vLLM replicas a run (or `lockgate replicas` / `serve`) starts, on the device and
+    GPUs of `placement` (coordinator/launch/placement.py)."""
     section = config.replicas
+    device = placement.replica_device
+    plan = placement.gpus if device == "cuda" else None
     return ReplicaLaunchConfig(
+        device=device,
+        dtype=replica_dtype(section.dtype, device),
+        gpus=plan.replica_gpus if plan is not None else None,
+        tensor_parallel_size=section.tensor_parallel_size,
+        gpu_memory_utilization=(
+            plan.gpu_memory_utilization if plan is not None else section.gpu_memory_utilization
+        ),
+        max_num_seqs=section.max_num_seqs,
+        eager=section.enforce_eager,
         model_dir=model_dir,
         count=section.count,
         host=section.host,

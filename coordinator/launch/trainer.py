@@ -30,10 +30,13 @@ def spawn_ranks(
     num_threads: int,
     log_path: Path,
     alone: bool = False,
+    gpus: Sequence[str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `world_size` ranks of the rank program `module` under torchrun on this node (a
     free rendezvous port), logging to `log_path`; torchrun ties its ranks to itself. `alone`:
-    nothing else busy shares the machine (see `thread_env`)."""
+    nothing else busy shares the machine (see `thread_env`). `gpus`: the ranks'
+    CUDA_VISIBLE_DEVICES, in which each rank takes the entry its LOCAL_RANK indexes
+    (trainer/parallel.py); None: the environment's."""
     cmd = [
         sys.executable,
         "-m",
@@ -44,7 +47,8 @@ def spawn_ranks(
         module,
         *args,
     ]
-    return spawn(cmd, log_path, env={**os.environ, **thread_env(num_threads, alone=alone)})
+    cuda = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else {}
+    return spawn(cmd, log_path, env={**os.environ, **thread_env(num_threads, alone=alone), **cuda})
 
 
 def thread_env(num_threads: int, *, alone: bool = False) -> dict[str, str]:
@@ -78,11 +82,14 @@ class TrainerProcess:
         run_dir: Path,
         log_path: Path,
         startup_timeout_s: float = 300.0,
+        gpus: Sequence[str] | None = None,
     ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
+        # The ranks' GPUs on this node (coordinator/launch/placement.py); None: the environment's.
+        self.gpus = gpus
         self._proc: subprocess.Popen[bytes] | None = None
         self._ready_by = 0.0
 
@@ -126,6 +133,7 @@ class TrainerProcess:
             world_size=self.config.world_size,
             num_threads=self.config.num_threads,
             log_path=self.log_path,
+            gpus=self.gpus,
         )
 
     def _started(self) -> bool:

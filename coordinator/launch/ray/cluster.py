@@ -81,6 +81,7 @@ class RayCluster:
             ray.init(
                 address="local",
                 num_cpus=s.num_cpus,
+                num_gpus=s.num_gpus,
                 namespace=s.namespace,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
@@ -88,11 +89,12 @@ class RayCluster:
             )
             self.started_here = True
         else:
-            if s.num_cpus is not None:  # only through $RAY_ADDRESS: the config refuses both
-                raise DeployError(
-                    f"ray.num_cpus: sizes a local cluster started for the run, but $RAY_ADDRESS "
-                    f"names a running one ({address})"
-                )
+            for option in ("num_cpus", "num_gpus"):
+                if getattr(s, option) is not None:  # only through $RAY_ADDRESS: the config
+                    raise DeployError(  # refuses both
+                        f"ray.{option}: sizes a local cluster started for the run, but "
+                        f"$RAY_ADDRESS names a running one ({address})"
+                    )
             try:
                 ray.init(
                     address=address,
@@ -108,6 +110,10 @@ class RayCluster:
     def address(self) -> str:
         """The cluster's GCS address (what `ray.init(address=...)` takes)."""
         return str(ray.get_runtime_context().gcs_address)
+
+    def gpus(self) -> float:
+        """The GPUs the cluster's nodes declare."""
+        return float(ray.cluster_resources().get("GPU", 0.0))
 
     def check(self, demands: list[Demand]) -> None:
         check_fits(demands, {k: float(v) for k, v in ray.available_resources().items()})

@@ -13,6 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lockgate.coordinator.config import RunConfig
+from lockgate.coordinator.launch.placement import (
+    CPU_ONLY,
+    Placement,
+    placement_lines,
+    placement_on_cluster,
+)
 from lockgate.coordinator.launch.ray.cluster import Demand, RayCluster
 from lockgate.coordinator.launch.ray.replicas import RayReplicaSet
 from lockgate.coordinator.launch.ray.trainer import RayTrainerRanks
@@ -24,21 +30,37 @@ def _say(message: str) -> None:
     print(f"[lockgate] ray: {message}", file=sys.stderr, flush=True)
 
 
+def demands_of(config: RunConfig, world_size: int, placement: Placement) -> tuple[Demand, Demand]:
+    """The bundles of the replicas and of the trainer ranks: on cuda a replica's bundle holds
+    its tensor_parallel_size GPUs and a rank's one GPU, unless `ray.replica_gpus` /
+    `ray.trainer_gpus` say otherwise (fractions share a GPU between bundles)."""
+    s = config.replicas
+    r = config.ray
+    replica_gpus = r.replica_gpus
+    if replica_gpus is None:
+        replica_gpus = float(s.tensor_parallel_size) if placement.replica_device == "cuda" else 0.0
+    trainer_gpus = r.trainer_gpus
+    if trainer_gpus is None:
+        trainer_gpus = 1.0 if placement.trainer_device == "cuda" else 0.0
+    return (
+        Demand("replicas.count", "replica", s.count, r.replica_cpus, replica_gpus),
+        Demand("trainer.world_size", "trainer rank", world_size, r.trainer_cpus, trainer_gpus),
+    )
+
+
 class RayParts:
     """The run's placement groups, replicas and trainer ranks on Ray; `close()` lets go of all."""
 
     def __init__(self, config: RunConfig, trainer: TrainerConfig) -> None:
         self.config = config
         self.trainer_config = trainer
-        s = config.ray
-        self.replicas_demand = Demand(
-            "replicas.count", "replica", config.replicas.count, s.replica_cpus, s.replica_gpus
-        )
-        self.trainer_demand = Demand(
-            "trainer.world_size", "trainer rank", trainer.world_size, s.trainer_cpus, s.trainer_gpus
-        )
-        self.cluster = RayCluster(s)
+        self.cluster = RayCluster(config.ray)
         self.replicas: RayReplicaSet | None = None
+        # Known once connected (`reserve`): auto devices follow the cluster's GPUs.
+        self.placement = CPU_ONLY
+        self.replicas_demand, self.trainer_demand = demands_of(
+            config, trainer.world_size, self.placement
+        )
 
     def reserve(self) -> None:
         """Connect, check that the run fits, and place both groups (a `DeployError` if not)."""
@@ -50,6 +72,12 @@ class RayParts:
             f"connected to {where} at {self.cluster.address()} (namespace "
             f"{self.config.ray.namespace})"
         )
+        self.placement = placement_on_cluster(self.config, self.cluster.gpus())
+        self.replicas_demand, self.trainer_demand = demands_of(
+            self.config, self.trainer_config.world_size, self.placement
+        )
+        for line in placement_lines(self.placement):
+            _say(line)
         demands = [self.replicas_demand, self.trainer_demand]
         self.cluster.check(demands)
         # Replicas spread over the nodes (one lost node takes as few as possible); the ranks
