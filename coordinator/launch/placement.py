@@ -274,8 +274,11 @@ def _vllm_cpu_build() -> bool:
 
 def visible_gpus() -> list[str]:
     """The CUDA ids of the GPUs this process may use (its CUDA_VISIBLE_DEVICES, or all that
-    torch counts): a child's CUDA_VISIBLE_DEVICES must name these, not indices into them."""
-    import torch  # here: CPU runs that ask for no GPU never load it in the coordinator
+    torch counts): a child's CUDA_VISIBLE_DEVICES must name these, not indices into them.
+    Without NVIDIA's driver (no /dev/nvidia0 ...) there is none, and torch is not loaded."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/proc/driver/nvidia").exists():
+        return []
+    import torch  # here: loading it costs a CPU run's coordinator seconds for nothing
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     given = os.environ.get("CUDA_VISIBLE_DEVICES")
