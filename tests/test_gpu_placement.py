@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from lockgate.coordinator.config import RunConfig
+from lockgate.coordinator.launch import local
 from lockgate.coordinator.launch import placement as placement_module
+from lockgate.coordinator.launch import trainer as trainer_launch
 from lockgate.coordinator.launch.deploy_checks import DeployError
 from lockgate.coordinator.launch.parts import replica_launch_config_of
 from lockgate.coordinator.launch.placement import (
@@ -34,6 +36,7 @@ from lockgate.coordinator.launch.replicas import (
 )
 from lockgate.gateway.sync.weights import SNAPSHOT_LOAD_EXTENSION
 from lockgate.gateway.vllm_ext.routes import REPLICA_ROUTES
+from lockgate.trainer.config import TrainerConfig
 
 GIB = 1 << 30
 CPU_ONLY_VARS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", *KEEP_FREED_MEMORY)
@@ -284,3 +287,36 @@ def test_this_nodes_gpus_go_into_the_plan(tmp_path: Path, monkeypatch: pytest.Mo
     placement = placement_here(auto, model, replicas_here=1, trainer_ranks=1)
     assert (placement.replica_device, placement.trainer_device) == ("cpu", "cuda")
     assert placement.gpus is not None and placement.gpus.trainer_gpus == ["0"]
+
+
+def test_trainer_ranks_get_their_gpus_in_cuda_visible_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[dict[str, str]] = []
+    monkeypatch.setattr(trainer_launch, "spawn", lambda cmd, log, env: seen.append(env))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    for gpus in (["2", "3"], None):
+        trainer_launch.spawn_ranks(
+            "m", [], world_size=2, num_threads=1, log_path=tmp_path / "log", gpus=gpus
+        )
+    assert seen[0]["CUDA_VISIBLE_DEVICES"] == "2,3"  # LOCAL_RANK r takes the r-th
+    assert seen[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # a CPU run's environment, untouched
+
+
+def test_a_run_plans_the_gpus_of_what_it_starts_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(placement_module, "visible_gpus", lambda: ["0", "1", "2"])
+    monkeypatch.setattr(placement_module, "smallest_gpu_bytes", lambda n: 80 * GIB)
+    model = _fake_model(tmp_path / "m", {"w": [1000, 1000]})
+    trainer = TrainerConfig(model_dir=model, world_size=2)
+    config = RunConfig.model_validate({"replicas": {"count": 1, "device": "cuda"}})
+    placement = local._placement(config, None, model, trainer, None)
+    assert placement.gpus is not None
+    assert placement.gpus.replica_gpus == [["0"]] and placement.gpus.trainer_gpus == ["1", "2"]
+    assert "[lockgate]   trainer rank 1: GPU 2" in capsys.readouterr().err
+    # Replicas given by URL run elsewhere: the trainer's ranks alone take this node's GPUs.
+    given = RunConfig.model_validate({"replicas": ["http://10.0.0.2:8001"]})
+    placement = local._placement(given, None, model, trainer, None)
+    assert placement.gpus is not None and placement.gpus.trainer_gpus == ["0", "1"]
+    assert placement.gpus.replica_gpus == []
