@@ -515,7 +515,28 @@ class RunConfig(BaseModel):
                     f"launcher: ray places the replicas and starts the gateway itself; "
                     f"{' and '.join(given)} name parts started elsewhere (use launcher: local)"
                 )
+            _ray_assigns_gpus(self)
         return self
+
+
+def _ray_assigns_gpus(config: RunConfig) -> None:
+    """Under Ray each bundle's GPUs are Ray's to assign: a GPU list or colocation of the
+    one-node plan would be silently ignored there."""
+    given = [
+        option
+        for option, value in (
+            ("replicas.gpus", config.replicas.gpus),
+            ("trainer.gpus", config.trainer.gpus),
+            ("replicas.colocate", config.replicas.colocate),
+        )
+        if value
+    ]
+    if given:
+        raise ValueError(
+            f"launcher: ray assigns each bundle's GPUs; {' and '.join(given)} place parts on "
+            "this node's GPUs (use launcher: local, or fractional ray.replica_gpus / "
+            "ray.trainer_gpus to share GPUs)"
+        )
 
 
 def env_overrides(environ: Mapping[str, str]) -> list[str]:
