@@ -218,6 +218,8 @@ def test_too_few_gpus_for_the_split_is_a_one_line_error() -> None:
         "replicas.count: 2 replicas x tensor_parallel_size 1 + 1 trainer ranks need 3 GPUs, "
         "2 visible: ask for fewer, or share GPUs with replicas.colocate: true"
     )
+    with pytest.raises(DeployError, match=r"need 2 GPUs, 1 visible: ask for fewer$"):
+        plan_gpus(_request(visible=["0"], replicas=2, ranks=0))  # `lockgate replicas`
     with pytest.raises(DeployError, match="no GPU is visible"):
         plan_gpus(_request(visible=[], replicas=1, ranks=0))
 

@@ -204,10 +204,11 @@ def _colocated(r: GpuRequest) -> GpuPlan:
 def _separate(r: GpuRequest) -> GpuPlan:
     g, shards, ranks = len(r.visible), r.replicas * r.tensor_parallel_size, r.trainer_ranks
     if r.replica_gpus is None and r.trainer_gpus is None and shards + ranks > g:
+        share = ", or share GPUs with replicas.colocate: true" if shards and ranks else ""
         raise DeployError(
             f"replicas.count: {r.replicas} replicas x tensor_parallel_size "
             f"{r.tensor_parallel_size} + {ranks} trainer ranks need {shards + ranks} GPUs, "
-            f"{g} visible: ask for fewer, or share GPUs with replicas.colocate: true"
+            f"{g} visible: ask for fewer{share}"
         )
     replicas = trainer = None
     if r.replica_gpus is not None:
