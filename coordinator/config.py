@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lockgate.coordinator.cpu_plan import plan_here
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
 from lockgate.gateway.records.advantages import AdvantageSpec
 from lockgate.gateway.schema import PauseMode
@@ -43,7 +44,13 @@ class ModelSection(BaseModel):
 
 class ReplicasSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    count: int = Field(default=2, ge=1, description="Local vLLM replicas to start.")
+    count: int = Field(
+        default=2,
+        ge=1,
+        description="Local vLLM replicas to start. auto: from this machine's usable CPU cores "
+        "when the config is read (coordinator/cpu_plan.py: 2 on two cores, more replicas of "
+        "more threads on more cores).",
+    )
     urls: list[str] = Field(
         default_factory=list,
         description="Replicas already running elsewhere (e.g. `lockgate replicas`): used instead "
@@ -112,6 +119,11 @@ class ReplicasSection(BaseModel):
     @classmethod
     def _urls_shorthand(cls, data: Any) -> Any:
         return {"urls": data} if isinstance(data, list) else data
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _count_from_cores(cls, value: Any) -> Any:
+        return plan_here().replicas if value == "auto" else value
 
     @field_validator("urls")
     @classmethod
@@ -215,6 +227,17 @@ class SyncSection(BaseModel):
 
 
 class TrainerSection(TrainerConfig):
+    @model_validator(mode="before")
+    @classmethod
+    def _threads_from_cores(cls, data: Any) -> Any:
+        """`num_threads: auto`: the threads per rank the CPU plan gives the trainer's ranks on
+        this machine's usable cores (beside the replicas: one on two cores, its own cores'
+        share on more)."""
+        if isinstance(data, dict) and data.get("num_threads") == "auto":
+            ranks = int(data.get("world_size", 1))
+            data = {**data, "num_threads": plan_here(trainer_ranks=ranks).threads_per_rank}
+        return data
+
     model_dir: Path | None = Field(  # type: ignore[assignment]
         default=None, description="Filled from model.path at launch; leave unset."
     )

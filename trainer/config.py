@@ -36,7 +36,12 @@ class TrainerConfig(BaseModel):
             "fp32 throughout; auto: cuda when every rank on the node gets a GPU, else cpu."
         ),
     )
-    num_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank.")
+    num_threads: int = Field(
+        default=1,
+        ge=1,
+        description="torch intra-op threads per rank. auto (in a run's or `lockgate sft`'s "
+        "config): from this machine's usable CPU cores when the config is read.",
+    )
     seed: int = Field(default=0, description="Seed of the trainer's RNG.")
 
     lr: float = Field(default=1e-5, gt=0, description="AdamW peak learning rate.")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
+from lockgate.coordinator.cpu_plan import CpuPlan, plan_here
 from lockgate.coordinator.errors import LockgateError, RunFailed
 from lockgate.coordinator.launch.cpu_priority import session_niced
 from lockgate.coordinator.launch.deploy_checks import (
@@ -192,6 +193,8 @@ def _replica_urls(
         urls = ray_parts.start_replicas(launch)
     elif not urls:
         _say(f"starting {config.replicas.count} vLLM replica(s) (logs in {logs})")
+        if placement.replica_device == "cpu":
+            _say(_cpu_plan(config).line())
         replicas = LocalReplicaSet(replica_launch_config_of(config, model_dir, logs, placement))
         stack.callback(replicas.stop)
         replicas.start()
@@ -391,6 +394,15 @@ def _placement(
 # How far this session's group yields to the trainer's: enough for the trainer to get the core
 # it needs (coordinator/launch/cpu_priority.py; docs/performance.md).
 TRAINER_FIRST_NICE = 10
+
+
+def _cpu_plan(config: RunConfig) -> CpuPlan:
+    """How the local replicas and trainer ranks share this machine's cores."""
+    return plan_here(
+        replicas=config.replicas.count,
+        trainer_ranks=config.trainer.world_size,
+        threads_per_rank=config.trainer.num_threads,
+    )
 
 
 def _trainer_first(config: RunConfig) -> bool:

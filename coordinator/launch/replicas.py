@@ -27,6 +27,7 @@ from typing import Literal, Self
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lockgate.coordinator.cpu_plan import plan_cpus, usable_cpus
 from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
 from lockgate.gateway.sync.weights import SNAPSHOT_LOAD_EXTENSION
@@ -65,7 +66,7 @@ class ReplicaLaunchConfig(BaseModel):
     # None: vLLM's own default.
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int | None = Field(default=None, ge=1)
-    # None: replica i is pinned to the i-th usable CPU (round robin).
+    # None: replica i's threads are bound where the CPU plan puts them (coordinator/cpu_plan.py).
     cpu_binds: list[str] | None = None
     startup_timeout_s: float = Field(default=300.0, gt=0)
     log_dir: Path
@@ -183,15 +184,6 @@ def replica_environment(
     }
 
 
-def usable_cpus() -> list[int]:
-    # os.cpu_count() counts the host's CPUs; in a container or under taskset only the affinity
-    # set can be bound, and binding outside it makes the vLLM worker fail at startup.
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        return list(range(os.cpu_count() or 1))
-
-
 def wait_serving(replicas: list[Replica], timeout_s: float) -> None:
     """Return once every replica answers /health; `ReplicaStartError` (with its log's tail)
     when one exits first or `timeout_s` passes."""
@@ -275,8 +267,7 @@ class LocalReplicaSet:
         if self._replicas:
             raise RuntimeError("this replica set has already been started")
         c = self.config
-        cpus = usable_cpus()
-        binds = c.cpu_binds or [str(cpus[i % len(cpus)]) for i in range(c.count)]
+        binds = c.cpu_binds or list(plan_cpus(usable_cpus(), replicas=c.count).replica_binds)
         # All spawned before any is waited on: model loading dominates and runs in parallel.
         try:
             for i, port in enumerate(self._ports()):

@@ -7,7 +7,7 @@
 #   3. held-out evaluation of the SFT model, with the oracle and no-search baselines;
 #   4. fully-async GRPO through the gateway with `lockgate train` (greedy validation every 8 steps);
 #   5. held-out evaluation of the RL model, the report's plots, and the before -> after lines.
-# Steps 3-5 share one pair of vLLM replicas (`lockgate replicas`, started on the SFT model): RL
+# Steps 3-5 share one set of vLLM replicas (`lockgate replicas`, started on the SFT model): RL
 # syncs its weights into them, and step 5 evaluates the weights of RL's last step there. Each
 # replica start costs ~40 s of the 2 cores.
 # SEED=1 ./examples/deepresearch/run_cpu.sh runs another seed (SFT and RL); extra arguments go
@@ -40,11 +40,13 @@ SFT_MODEL="$RUN/sft/final"
 
 say "3/5 held-out evaluation of the SFT model (T=1, greedy, oracle, no search)"
 mkdir -p "$RUN/replicas"
-$LG replicas --set "model.path=$(pwd)/$SFT_MODEL" --set replicas.count=2 \
+# As many replicas as the CPU plan gives this machine's cores (2 on 2 cores).
+NREP=$($PY -c "from lockgate.coordinator.cpu_plan import plan_here; print(plan_here().replicas)")
+$LG replicas --set "model.path=$(pwd)/$SFT_MODEL" --set replicas.count="$NREP" \
   --set replicas.max_model_len=2048 --run-dir "$RUN/replicas" >"$RUN/replicas/urls" &
 replicas_pid=$!
 trap 'kill $replicas_pid 2>/dev/null; wait $replicas_pid 2>/dev/null || true' EXIT
-until [ "$(grep -c '^replica_url=' "$RUN/replicas/urls")" = 2 ]; do
+until [ "$(grep -c '^replica_url=' "$RUN/replicas/urls")" = "$NREP" ]; do
   kill -0 $replicas_pid 2>/dev/null || { say "the replicas did not start"; exit 1; }
   sleep 1
 done

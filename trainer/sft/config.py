@@ -10,6 +10,7 @@ it becomes a `TrainerConfig` for the shared step code.
 
 from __future__ import annotations
 
+import os
 from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,12 @@ def _shared(name: str) -> Any:
     """TrainerConfig's field `name` (its default, bounds and description), for reuse here."""
     field: FieldInfo = TrainerConfig.model_fields[name]
     return copy(field)
+
+
+def threads_alone(cores: int, ranks: int) -> int:
+    """Threads per rank for ranks that have the machine to themselves, as SFT does: every core,
+    split evenly among them, one at least."""
+    return max(1, cores // ranks)
 
 
 class SFTModelSection(BaseModel):
@@ -169,6 +176,15 @@ class SFTTrainerSection(BaseModel):
     compute_dtype: ComputeDtype = _shared("compute_dtype")
     checkpoint_every: int = _shared("checkpoint_every")
     keep_checkpoints: int = _shared("keep_checkpoints")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _threads_from_cores(cls, data: Any) -> Any:
+        """`num_threads: auto`: this machine's usable cores shared among the ranks."""
+        if isinstance(data, dict) and data.get("num_threads") == "auto":
+            ranks = int(data.get("world_size", 1))
+            data = {**data, "num_threads": threads_alone(len(os.sched_getaffinity(0)), ranks)}
+        return data
 
     @model_validator(mode="after")
     def _valid_as_trainer_config(self) -> SFTTrainerSection:
