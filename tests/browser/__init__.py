@@ -1,0 +1,1 @@
+"""The viewer in a real headless browser (Playwright over Debian's chromium)."""

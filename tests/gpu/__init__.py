@@ -1,0 +1,1 @@
+"""CUDA-only tests: skipped on a machine without a GPU."""

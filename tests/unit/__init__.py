@@ -1,0 +1,1 @@
+"""Fast tests, no vLLM, no torchrun, no server processes: `pytest tests/unit`."""

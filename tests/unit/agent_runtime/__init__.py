@@ -1,0 +1,1 @@
+"""The agent runtime's unit tests."""

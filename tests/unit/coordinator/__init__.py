@@ -1,0 +1,1 @@
+"""The coordinator's unit tests (config, loop, metrics, launch logic, CLI)."""

@@ -1,0 +1,1 @@
+"""The gateway's unit tests (fake replicas, in-process apps, real SQLite)."""

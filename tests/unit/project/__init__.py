@@ -1,0 +1,2 @@
+"""Checks of the repository as a whole (import directions, function length,
+setup scripts, docker-compose.yml)."""

