@@ -1,6 +1,7 @@
 """The deploy commands' contract for bad input (`lockgate replicas | gateway | serve | session
-new | train` with parts elsewhere): one line naming the option at fault, exit 2, before
-anything starts; and the config shapes they take. No vLLM here: fake servers stand in."""
+new | train` with parts elsewhere), each command run as a process: one line naming the option
+at fault, exit 2, before anything starts; and a gateway alone serving sessions. No vLLM here:
+fake servers stand in."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from lockgate.coordinator.config import env_overrides, load_config
-from lockgate.coordinator.launch.deploy_checks import DeployError, check_run_parts
 from tests.support.threaded_server import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,25 +101,6 @@ def fake_gateway() -> Iterator[str]:
 
 
 # -- config shapes -------------------------------------------------------------------------------
-
-
-def test_replicas_and_gateway_take_a_url_shorthand_and_environment_variables() -> None:
-    config = load_config(
-        None, ["replicas=[http://a:8001/, http://b:8002]", "gateway=http://g:8000"]
-    )
-    assert config.replicas.urls == ["http://a:8001", "http://b:8002"]
-    assert config.gateway.url == "http://g:8000"
-    env = {
-        "LOCKGATE_GATEWAY__PORT": "8123",
-        "LOCKGATE_REPLICAS__URLS": "[http://r:1]",
-        "LOCKGATE_CACHE": "/not/an/option",
-    }
-    overrides = env_overrides(env)
-    assert overrides == ["gateway.port=8123", "replicas.urls=[http://r:1]"]
-    # The file < the environment < --set.
-    config = load_config(Path(TOY), [*overrides, "gateway.port=9000"])
-    assert config.gateway.port == 9000 and config.replicas.urls == ["http://r:1"]
-    assert config.replicas.count == 2  # from the file
 
 
 @pytest.mark.parametrize(
@@ -215,18 +195,6 @@ def test_an_external_gateway_that_never_answers_is_refused(tmp_path: Path) -> No
         env={"LOCKGATE_ADMIN_TOKEN": TOKEN},
     )  # fmt: skip
     _one_line_error(result, "gateway.url", url, "did not answer within 1s")
-
-
-def test_check_run_parts_accepts_a_resumed_run_on_a_synced_gateway(
-    fake_gateway: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("LOCKGATE_ADMIN_TOKEN", TOKEN)
-    config = load_config(Path(TOY), [f"gateway.url={fake_gateway}"])
-    with pytest.raises(DeployError, match="version 3"):
-        check_run_parts(config, resume=False)
-    external = check_run_parts(config, resume=True)
-    assert external is not None
-    assert external.url == fake_gateway and external.replica_urls == ["http://127.0.0.1:1"]
 
 
 def test_session_new_needs_a_gateway_and_its_token() -> None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import ray
-from pydantic import ValidationError
 
 from lockgate.coordinator.config import RunConfig
 from lockgate.coordinator.launch.deploy_checks import DeployError
@@ -75,10 +74,3 @@ def test_a_cpu_cluster_reserves_cpu_bundles_as_before(tmp_path: Path) -> None:
         assert _bundles("PACK") == [{"CPU": 1.0}]
     finally:
         parts.close()
-
-
-def test_gpu_lists_of_the_one_node_plan_are_refused_under_ray() -> None:
-    with pytest.raises(ValidationError, match=r"launcher: ray assigns each bundle's GPUs; trainer"):
-        RunConfig.model_validate({"launcher": "ray", "trainer": {"gpus": [0]}})
-    with pytest.raises(ValidationError, match=r"replicas.colocate place parts"):
-        RunConfig.model_validate({"launcher": "ray", "replicas": {"colocate": True}})

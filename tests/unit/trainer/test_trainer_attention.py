@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from lockgate.trainer import attention
 from lockgate.trainer.model import forward_logits, load_policy, pad_batch
-from tests.support.trainer_runs import needs_gpu
 
 LENGTHS = [5, 1, 9, 3]
 
@@ -128,15 +127,6 @@ def test_a_packed_forward_attends_per_sample(
     assert len(used) == model.config.num_hidden_layers  # every layer took the per-sample path
     alone = forward_logits(model, ids, lengths, pack=False)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
-
-
-@needs_gpu
-def test_flash_varlen_on_the_gpu_equals_the_block_mask() -> None:
-    q, k, v, cu = _qkv(torch.bfloat16, device="cuda")
-    kernel = attention.kernel_for(q.device)
-    assert kernel is not attention.per_sample_sdpa, "this torch has no varlen attention"
-    out = kernel(q, k, v, cu, max(LENGTHS), 16**-0.5)
-    torch.testing.assert_close(out.float(), _masked_reference(q, k, v), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("variant", [{"sliding_window": 4}, {"softcap": 30.0}, {"dropout": 0.1}])

@@ -1,34 +1,12 @@
-"""The trainer on a CUDA GPU: NCCL, FSDP2 with bf16 compute over fp32 master weights, and
-snapshots exported from GPU memory; plus how the device is chosen, which runs everywhere.
-
-CI has no GPU, so the GPU tests are skipped there; the checkpoint-resume test in
-test_trainer_checkpoint.py has a CUDA case too, test_sft.py one of `lockgate sft`. docs/design.md
-("GPU") says how to run them and when they last passed on a GPU.
-"""
+"""How the trainer's device is chosen: the GPUs only when every rank gets one (the trainer on a
+CUDA GPU: tests/gpu/test_trainer_gpu.py)."""
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
-from lockgate.trainer.config import TrainerConfig
 from lockgate.trainer.parallel import resolve_device
-from tests.support.trainer_runs import near_policy_batch, needs_gpu, train, weights
-
-
-def _relative_distance(
-    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], origin: dict[str, torch.Tensor]
-) -> float:
-    """||a - b|| / ||b - origin|| over all weights: how far apart two runs ended up, relative to
-    how far training moved them."""
-    apart = sum(float((a[k] - b[k]).double().pow(2).sum()) for k in b)
-    moved = sum(float((b[k] - origin[k]).double().pow(2).sum()) for k in b)
-    return math.sqrt(apart / moved)
 
 
 def test_auto_takes_the_gpus_only_when_every_rank_gets_one() -> None:
@@ -38,43 +16,3 @@ def test_auto_takes_the_gpus_only_when_every_rank_gets_one() -> None:
     assert resolve_device("auto", 0, max(visible, 1)) == ("cuda" if visible else "cpu")
     with pytest.raises(RuntimeError, match="has no GPU"):
         resolve_device("cuda", visible, visible + 1)
-
-
-async def test_asking_for_more_gpus_than_there_are_fails_the_start_clearly(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    ranks = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
-    config = TrainerConfig(model_dir=tiny_model_dir, world_size=ranks, device="cuda")
-    trainer = TrainerProcess(config, tmp_path, tmp_path / "trainer.log")
-    with pytest.raises(TrainerError, match="has no GPU"):
-        trainer.start()
-
-
-@needs_gpu
-async def test_the_gpu_trainer_follows_the_cpu_trainer(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Same batches, same seed: bf16 compute moves the weights where fp32 on the CPU does."""
-    batches = [near_policy_batch(tiny_model_dir, k) for k in (1, 2, 3)]
-    options = {"ppo_mode": "decoupled", "mini_batches": 2, "kl_coef": 0.05}
-    gpu = await train(tiny_model_dir, tmp_path / "gpu", 1, batches, device="cuda", **options)
-    cpu = await train(tiny_model_dir, tmp_path / "cpu", 1, batches, device="cpu", **options)
-    assert "rank(s) on cuda" in (tmp_path / "gpu" / "trainer.log").read_text()
-    assert "rank(s) on cpu" in (tmp_path / "cpu" / "trainer.log").read_text()
-
-    start = load_file(str(tiny_model_dir / "model.safetensors"))
-    for k, tensor in weights(gpu[-1]).items():
-        assert tensor.dtype == torch.float32, k  # the snapshot holds the fp32 master weights
-    distance = _relative_distance(weights(gpu[-1]), weights(cpu[-1]), start)
-    print(f"\nGPU vs CPU after 3 steps: {distance:.3f} of the distance trained")
-    assert distance < 0.25
-
-    for g, c in zip(gpu, cpu, strict=True):
-        print({k: (round(g.metrics[k], 5), round(c.metrics[k], 5)) for k in sorted(c.metrics)})
-        assert g.metrics.keys() == c.metrics.keys()
-        assert all(math.isfinite(v) for v in g.metrics.values()), g.metrics
-        assert g.metrics["tokens"] == c.metrics["tokens"]
-        assert g.metrics["loss"] == pytest.approx(c.metrics["loss"], rel=0.05, abs=2e-3)
-        # bf16 logits add to the perturbation the rollout logprobs already carry
-        assert g.metrics["mismatch_kl"] == pytest.approx(c.metrics["mismatch_kl"], rel=0.5)
-    assert gpu[-1].metrics["ref_kl"] > 0.0
