@@ -17,7 +17,7 @@ What runs (see benchmarks/README.md, "Scale simulation", for the figures):
   a lean process of its own (`pause_client.py`), held `--pause-hold` seconds (a weight load's
   stand-in), then `POST /admin/resume`.
 
-Metrics (pure functions below, unit-tested in tests/test_scale_simulation.py):
+Metrics (pure functions below, unit-tested in tests/unit/gateway/test_scale_simulation.py):
 - routing imbalance: (max - mean) / mean over replicas of the tokens each generated;
 - sticky rate: of the generate requests that are not a session's first, the share sent to the
   replica that served the session's previous request; prefix hit rate: the share that found

@@ -31,5 +31,5 @@ own modules and only the rooms listed after it:
   route): nothing of the gateway process's. The gateway process reads two torch-free modules
   of it, the pause route's path (replicas) and the snapshot header (sync).
 
-`tests/test_import_directions.py` holds these rules and fails on an import that breaks them.
+`tests/unit/project/test_import_directions.py` holds these rules and fails on an import that breaks them.
 """

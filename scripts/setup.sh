@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 EXTRAS=${LOCKGATE_EXTRAS:-cpu,dev}
-# The viewer's browser tests (tests/test_viewer_browser.py) drive Debian's chromium through
+# The viewer's browser tests (tests/browser/test_viewer_browser.py) drive Debian's chromium through
 # Playwright's Python package; never `playwright install`. Installed with apt only when missing,
 # and only with the dev extra (the test tools).
 if [[ ",$EXTRAS," == *",dev,"* && ! -x /usr/bin/chromium ]]; then

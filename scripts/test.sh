@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# tests/test_compose_stack.py validates docker-compose.yml with Debian's docker-compose (parsing
+# tests/unit/project/test_compose_stack.py validates docker-compose.yml with Debian's docker-compose (parsing
 # needs no Docker engine). Installed with apt only when missing.
 if ! command -v docker-compose >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -13,7 +13,7 @@ Either way the logits are laid back out as [B, T, V].
 One sample at a time, the tokens that every sample of the micro-batch starts with (the system
 prompt and tool schemas of an agent's rollouts, often half of each sample) run once: their
 keys and values are kept, and each sample runs only the rest of its tokens against them. The logits and gradients are those of running each sample whole (equal to
-float rounding: tests/test_trainer_packing.py), and the shared prefix's work is done once per
+float rounding: tests/unit/trainer/test_trainer_packing.py), and the shared prefix's work is done once per
 micro-batch instead of once per sample (measured in docs/performance.md, "Trainer").
 """
 

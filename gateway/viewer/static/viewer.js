@@ -10,7 +10,7 @@ const state = {
   colour: "logprob", mask: true, view: "sessions", polling: false,
 };
 
-// ---- colours (tests/test_viewer_browser.py recomputes these from the stored values) --------
+// ---- colours (tests/browser/test_viewer_browser.py recomputes these from the stored values) --------
 function logprobColour(lp) {
   const p = Math.min(1, Math.max(0, Math.exp(lp)));
   return `hsl(${(120 * p).toFixed(1)}, 75%, 80%)`;
