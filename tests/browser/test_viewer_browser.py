@@ -25,9 +25,9 @@ import pytest
 
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.config import GatewayConfig
+from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica
 from tests.support.threaded_server import serve_in_thread
 from tests.support.viewer_fixtures import Built, build_store
-from tests.unit.gateway.test_gateway_edges import ADMIN, REPLICA, FakeReplica
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [

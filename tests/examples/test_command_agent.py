@@ -36,9 +36,9 @@ from lockgate.coordinator.launch.local import load_environment
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import GatewayConfig
+from tests.support.fake_gateway import FakeReplica
 from tests.support.marked_processes import processes_with_marker
 from tests.support.threaded_server import serve_in_thread
-from tests.unit.gateway.test_gateway_edges import FakeReplica
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "command_agent"

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 
 from lockgate.examples.deepresearch.agent import AgentConfig, Episode, Tools, run_episode
 from lockgate.examples.deepresearch.retrieval.index import BM25Index, Hit
-from tests.unit.gateway.test_gateway_edges import ADMIN, REPLICA, FakeReplica, serve_gateway
+from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, serve_gateway
 
 CORPUS = [
     {

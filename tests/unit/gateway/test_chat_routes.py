@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from tests.unit.gateway.test_gateway_edges import ADMIN, REPLICA, FakeReplica, serve_gateway
+from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, serve_gateway
 
 TOKENS = 200
 TOKEN_INTERVAL_S = 0.02

@@ -71,6 +71,7 @@ from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.schema import ChatCompletionRequest, CompletionRequest
 from lockgate.gateway.store.trajectories import _call_from_row
 from tests.support.chat_strategies import chat_bodies, completion_bodies
+from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, sse_chunks
 from tests.support.gateway_openapi import (
     FINISHED_SESSION,
     OPEN_SESSION,
@@ -79,7 +80,6 @@ from tests.support.gateway_openapi import (
     gateway_openapi,
 )
 from tests.support.threaded_server import serve_in_thread
-from tests.unit.gateway.test_gateway_edges import ADMIN, REPLICA, FakeReplica, sse_chunks
 
 # An answer that takes longer than this is a hang: every fake generation is instant, and a
 # pause the fuzzer leaves behind is undone before the next case.

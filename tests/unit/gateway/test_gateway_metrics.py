@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.unit.gateway.test_gateway_edges import ADMIN, FakeReplica, serve_gateway, sse_chunks
+from tests.support.fake_gateway import ADMIN, FakeReplica, serve_gateway, sse_chunks
 
 CHAT_ROUTE = "/sessions/{session_id}/v1/chat/completions"
 UP_A, UP_B = "http://replica-a:8000", "http://replica-b:8000"

@@ -30,8 +30,8 @@ from lockgate.gateway.api.app import create_app
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.calls.tokenizer import FastTokenizer
 from lockgate.gateway.config import GatewayConfig
+from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, serve_gateway
 from tests.support.threaded_server import serve_in_thread
-from tests.unit.gateway.test_gateway_edges import ADMIN, REPLICA, FakeReplica, serve_gateway
 
 MIB = 1024 * 1024
 LATENCY_BOUND_S = 0.5  # aimed at 50 ms; see the module's docstring

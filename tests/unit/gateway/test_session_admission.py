@@ -15,7 +15,7 @@ import pytest
 
 from lockgate.gateway.api.session_admission import SessionAdmission
 from lockgate.gateway.errors import GatewayError
-from tests.unit.gateway.test_gateway_edges import ADMIN, REPLICA, FakeReplica, serve_gateway
+from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, serve_gateway
 
 # -- the bookkeeping -------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.unit.gateway.test_gateway_edges import Harness, _admin, _assert_openai_error, harness
+from tests.support.fake_gateway import Harness, _admin, _assert_openai_error, harness
 
 __all__ = ["harness"]  # the fixture, used by name
 

@@ -18,8 +18,8 @@ from lockgate.coordinator.cli.view import find_run_files
 from lockgate.gateway.records.advantages import AdvantageSpec, trained_advantages
 from lockgate.gateway.viewer.routes import COOKIE
 from lockgate.gateway.viewer.serve import create_view_app
+from tests.support.fake_gateway import ADMIN, Harness, _admin, harness  # noqa: F401
 from tests.support.viewer_fixtures import build_store
-from tests.unit.gateway.test_gateway_edges import ADMIN, Harness, _admin, harness  # noqa: F401
 
 DATA_ROUTES = [
     "/ui/api/overview",
