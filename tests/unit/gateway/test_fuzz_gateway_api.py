@@ -68,8 +68,8 @@ from schemathesis import Case, GenerationMode
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.calls.bodies import MAX_JSON_DEPTH
 from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.records.codecs import CALL_COLUMNS, call_from_row
 from lockgate.gateway.schema import ChatCompletionRequest, CompletionRequest
-from lockgate.gateway.store.trajectories import _call_from_row
 from tests.support.chat_strategies import chat_bodies, completion_bodies
 from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, sse_chunks
 from tests.support.gateway_openapi import (
@@ -468,10 +468,12 @@ def _assert_store_consistent(db_path: Path, interrupted_ok: bool = False) -> Non
         sessions = db.execute(
             "SELECT id, status, finished_at, num_calls, rerender_splits FROM sessions"
         ).fetchall()
-        rows = db.execute("SELECT * FROM calls ORDER BY session_id, idx").fetchall()
+        rows = db.execute(
+            f"SELECT {', '.join(CALL_COLUMNS)} FROM calls ORDER BY session_id, idx"
+        ).fetchall()
     calls: dict[str, list[Any]] = {}
     for row in rows:
-        calls.setdefault(row[0], []).append(_call_from_row(row))
+        calls.setdefault(row[0], []).append(call_from_row(row))
     for sid, status, finished_at, num_calls, splits in sessions:
         mine = calls.pop(sid, [])
         assert num_calls == len(mine), sid
