@@ -23,13 +23,6 @@ TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "vllm", "integration", "gpu", "browser", "examples")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    for tier in TIERS:
-        config.addinivalue_line(
-            "markers", f"{tier}: a test under tests/{tier}/ (set from its folder)"
-        )
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = item.path.resolve().relative_to(TESTS).parts[0]
