@@ -130,7 +130,7 @@ def test_sft_then_async_grpo_then_evaluation(tmp_path: Path, tiny_model_dir: Pat
     with _replica(sft_model, tmp_path / "replica", env) as url:
         assert weights_versions([url]) == [0]  # vLLM's label until a gateway sets one
         # No screening: a model of 3 SFT steps would fail nearly every screen, and groups of 2
-        # leave nothing to screen (tests/test_loop_resume_logic.py covers it).
+        # leave nothing to screen (tests/unit/coordinator/test_loop_resume_logic.py covers it).
         result = _lockgate(
             "train", str(CONFIGS / "rl_cpu.yaml"), "--run-dir", str(run_dir),
             "--set", f"model.path={sft_model}", "--set", f"environment.args.kb_dir={kb}",
