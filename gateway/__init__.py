@@ -16,11 +16,13 @@ room. `python -m lockgate.gateway` runs the app (`__main__.py`).
 The rooms, each a sub-package whose door says what it holds; each imports the foundation, its
 own modules and only the rooms listed after it:
 
-- `api/`: the HTTP app, its routes, the answers (JSON, SSE): calls, sync, replicas, store,
-  viewer, records
+- `api/`: the HTTP app, its routes, the answers (JSON, SSE): calls, dialects, sync, replicas,
+  store, viewer, records
 - `viewer/`: the trajectory viewer and run dashboard (`/ui/`), reading the store's file on
   its own read-only connections: records
 - `calls/`: one call from request to durable record, no HTTP: replicas, store, records
+- `dialects/`: the Responses and Messages APIs translated to and from chat completions, pure:
+  nothing more
 - `sync/`: weight sync, the gateway's side, and the transports: replicas
 - `store/`: the SQLite trajectory store: records
 - `records/`: the pure formats and arithmetic of what a run records (a call's row, calls

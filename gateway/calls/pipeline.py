@@ -128,6 +128,14 @@ class CallPipeline:
         if session.status != "open":
             raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
         raw = parse_json(body, self.config.limits.max_json_values)
+        return await self.prepare_chat_raw(session, raw)
+
+    async def prepare_chat_raw(self, session: SessionRow, raw: dict[str, Any]) -> ChatCall:
+        """A chat call from its parsed body. The other front ends (Responses, Messages)
+        translate their bodies into a chat-completions body and enter here, so that every
+        API shares one pipeline and its records bridge across turns alike."""
+        if session.status != "open":
+            raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
         check_chat_body(raw, self.config.limits)
         req = validate(ChatCompletionRequest, raw)
         _refuse_unsupported(req)

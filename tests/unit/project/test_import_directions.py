@@ -70,9 +70,12 @@ RULES: dict[str, list[str]] = {
     f"{G}.replicas": [*FOUNDATION, f"{G}.vllm_ext.routes"],
     f"{G}.sync": [*FOUNDATION, f"{G}.replicas", f"{G}.vllm_ext.snapshot_header"],
     f"{G}.calls": [*FOUNDATION, f"{G}.replicas", f"{G}.store", RECORDS],
+    # The other agent APIs' bodies and answers, translated to and from chat completions: pure.
+    f"{G}.dialects": FOUNDATION,
     f"{G}.api": [
         *FOUNDATION,
         f"{G}.calls",
+        f"{G}.dialects",
         f"{G}.replicas",
         f"{G}.store",
         f"{G}.sync",
