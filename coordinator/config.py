@@ -40,6 +40,12 @@ class ModelSection(BaseModel):
         default=None,
         description="HF model dir. Unset: the tiny Qwen3-style model, built offline and cached.",
     )
+    chat_format: str = Field(
+        default="auto",
+        description="The model's chat format, a `renderers` name (qwen3, llama-3, gpt-oss, "
+        "deepseek-r1, glm-4.5, gemma4, default, ...). auto: detected from the model's files "
+        "(gateway/calls/chat_format.py; docs/models.md); an undetectable model is an error.",
+    )
 
 
 class ReplicasSection(BaseModel):

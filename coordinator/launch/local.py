@@ -37,6 +37,7 @@ from lockgate.coordinator.launch.gateway import GatewayDied, GatewayProcess
 from lockgate.coordinator.launch.parts import (
     admin_token_of,
     gateway_config_of,
+    chat_format_of,
     new_admin_token,
     replica_launch_config_of,
     run_dir_of,
@@ -532,6 +533,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
         ray_parts = _ray_parts(config, trainer_config, stack)
+    _say(f"chat format: {chat_format_of(config, model_dir)}")  # before anything starts
         placement = _placement(config, external, model_dir, trainer_config, ray_parts)
         parts = _launch_parts(
             config,

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lockgate.coordinator.config import GatewaySection, RunConfig
+from lockgate.coordinator.errors import ConfigError
 from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
+from lockgate.gateway.calls.chat_format import ChatFormatError, resolve_chat_format
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.records.advantages import AdvantageSpec
 
@@ -42,12 +44,22 @@ def new_admin_token() -> str:
     return secrets.token_urlsafe(24)
 
 
+def chat_format_of(config: RunConfig, model_dir: Path) -> str:
+    """The run's chat format (model.chat_format, `auto` detected from `model_dir`): the one
+    decision every part that renders uses; one that cannot be made is a `ConfigError`."""
+    try:
+        return resolve_chat_format(config.model.chat_format, model_dir)
+    except ChatFormatError as exc:
+        raise ConfigError(f"model.chat_format: {exc}") from None
+
+
 def gateway_config_of(
     config: RunConfig, model_dir: Path, replica_urls: list[str], run_dir: Path, admin_token: str
 ) -> GatewayConfig:
     """The gateway a run (or `lockgate gateway` / `serve` on the same config) starts."""
     return GatewayConfig(
         model_dir=model_dir,
+        renderer=chat_format_of(config, model_dir),
         replicas=replica_urls,
         db_path=RunDir(run_dir).store,
         metrics_path=RunDir(run_dir).metrics,

@@ -17,8 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lockgate.coordinator.config import read_config_file
-from lockgate.coordinator.errors import Interrupted, RunFailed, UsageError, config_loading
+from lockgate.coordinator.errors import (
+    ConfigError,
+    Interrupted,
+    RunFailed,
+    UsageError,
+    config_loading,
+)
 from lockgate.coordinator.launch.replicas import usable_cpus
+from lockgate.gateway.calls.chat_format import ChatFormatError, resolve_chat_format
 from lockgate.trainer.protocol import write_atomic
 from lockgate.trainer.sft.config import SFTConfig
 
@@ -51,6 +58,15 @@ def load_sft_config(path: Path, overrides: list[str], out: Path | None) -> SFTCo
 
             model_dir = ensure_tiny_model()
         resolved = config.resolved(path.parent, model_dir)
+    # The same decision as a training run's gateway (gateway/calls/chat_format.py), recorded in
+    # OUT's config as the name it resolved to.
+    try:
+        assert resolved.model.path is not None
+        resolved.model.chat_format = resolve_chat_format(
+            resolved.model.chat_format, resolved.model.path
+        )
+    except ChatFormatError as exc:
+        raise ConfigError(f"model.chat_format: {exc}") from None
     if out is not None:
         resolved.out_dir = out.resolve()
     return resolved

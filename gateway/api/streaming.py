@@ -65,8 +65,11 @@ class DeltaTracker:
         parsed = self._renderer.parse_completion(ids, self._prompt_ids, self._tools)
         self._parsed = (len(ids), parsed) if whole else None
         message = parsed.message
+        # No marker token opens this format's calls: text may still become a call, so
+        # content waits for the whole completion (finish) while tools are offered.
+        content = "" if self._tools and self._renderer.holds_content_for_tools else message.content
         return self._advance(
-            self._before_stop(_stable(message.content or "")),
+            self._before_stop(_stable(content or "")),
             self._before_stop(_stable(message.reasoning_content or "")),
         )
 

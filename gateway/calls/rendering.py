@@ -9,18 +9,22 @@ says so. `parse_completion` turns sampled ids back into content / reasoning / to
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import renderers
 from transformers import AutoTokenizer
 
+from lockgate.gateway.calls.chat_format import GENERIC, bridges_turns
 from lockgate.gateway.calls.tokenizer import fast_tokenizer
 from lockgate.gateway.schema import AssistantMessage, ChatMessage, FunctionCall, ToolCall, ToolSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,54 @@ class ParsedCompletion:
     has_tool_calls: bool
 
 
+# The token that opens a tool call in each format's completions: a stream holds back the text
+# from it on, since what follows is a call, not content. Formats without one (Llama 3 writes a
+# bare JSON object) are held back whole while tools are offered (`holds_content_for_tools`).
+_TOOL_CALL_OPENERS: Final[dict[str, str]] = {
+    "qwen3": "<tool_call>",
+    "qwen3-vl": "<tool_call>",
+    "prime-qwen3": "<tool_call>",
+    "glm-4.5": "<tool_call>",
+    "glm-5": "<tool_call>",
+    "deepseek-r1": "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+    "deepseek-v3": "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+    "kimi-k2": "<|tool_calls_section_begin|>",
+    "gemma4": "<|tool_call>",
+    "default": "<tool_call>",
+}
+
+
+def _renderer_config(name: str, template: str | None) -> renderers.BaseRendererConfig:
+    """The typed config of format `name`; the generic renderer gets the parsers its template's
+    markers call for, so a Hermes-style template still yields tool calls and reasoning."""
+    if name != GENERIC:
+        config = renderers.config_from_name(name)
+        assert config is not None  # only `auto` has none, and it is resolved before this
+        return config
+    template = template or ""
+    return renderers.DefaultRendererConfig(
+        tool_parser="qwen3" if "<tool_call>" in template else None,
+        reasoning_parser="think" if "</think>" in template else None,
+    )
+
+
 class ChatRenderer:
     def __init__(self, model_dir: Path | str, renderer_name: str = "qwen3") -> None:
         hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.format = renderer_name
         # Everything that tokenizes on the request path (the renderer included) uses the Rust
         # tokenizer directly: same ids, a fraction of transformers' cost (gateway/calls/tokenizer.py).
-        self.tokenizer = fast_tokenizer(hf)
-        config = renderers.config_from_name(renderer_name)
+        # The generic renderer renders through the model's Jinja template, which only
+        # transformers' tokenizer carries.
+        self.tokenizer = fast_tokenizer(hf) if renderer_name != GENERIC else hf
+        config = _renderer_config(renderer_name, getattr(hf, "chat_template", None))
         self._renderer = renderers.create_renderer(self.tokenizer, config)
+        if not bridges_turns(renderer_name):
+            log.warning(
+                "chat format '%s' (the model's own template) cannot extend a previous call's "
+                "tokens: every later turn of a session is re-rendered and counted as a split",
+                renderer_name,
+            )
         self.stop_token_ids: list[int] = list(self._renderer.get_stop_token_ids())
         # Added tokens (chat markers such as <tool_call>, </think>): text -> id.
         self.special_tokens: dict[str, int] = dict(hf.get_added_vocab())
@@ -73,10 +117,11 @@ class ChatRenderer:
             for i in self.special_tokens.values()
             if not self.tokenizer.decode([i], skip_special_tokens=True)
         )
-        opener = hf.convert_tokens_to_ids("<tool_call>")
-        self.tool_call_start_id: int | None = (
-            opener if isinstance(opener, int) and opener != hf.unk_token_id else None
-        )
+        opener = self.special_tokens.get(_TOOL_CALL_OPENERS.get(renderer_name, ""))
+        self.tool_call_start_id: int | None = opener
+        # A format whose calls begin with no marker token: its text cannot be streamed as
+        # content while tools are offered, since it may turn out to be a call.
+        self.holds_content_for_tools = opener is None
 
     def render_prompt(
         self,

@@ -44,6 +44,12 @@ class SFTModelSection(BaseModel):
         description="HF model dir to fine-tune (its tokenizer and chat template render the "
         "data). Unset: the tiny Qwen3-style model, built offline and cached.",
     )
+    chat_format: str = Field(
+        default="auto",
+        description="The model's chat format (a `renderers` name, or auto: detected from the "
+        "model's files). `lockgate sft` resolves it before tokenizing, so a model whose format "
+        "cannot be placed is refused; the data is rendered by the model's own chat template.",
+    )
 
 
 class SFTDataSection(BaseModel):

@@ -1,0 +1,127 @@
+"""The one decision of a run's chat format (gateway/calls/chat_format.py), against the config and
+tokenizer_config files of real models (tests/support/model_configs: the fields the detector
+reads, hand-written, no weights), and where a run and `lockgate sft` take it from."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from lockgate.coordinator.config import RunConfig
+from lockgate.coordinator.errors import ConfigError
+from lockgate.coordinator.launch.parts import chat_format_of, gateway_config_of
+from lockgate.gateway.calls.chat_format import (
+    GENERIC,
+    ChatFormatError,
+    bridges_turns,
+    detect_chat_format,
+    known_formats,
+    resolve_chat_format,
+)
+from lockgate.gateway.calls.rendering import ChatRenderer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "support" / "model_configs"
+
+# Fixture folder -> the format `renderers` has for that checkpoint (docs/models.md names them).
+REAL_MODELS = {
+    "qwen3-0.6b": "qwen3",
+    "llama-3.2-1b-instruct": "llama-3",
+    "gpt-oss-20b": "gpt-oss",
+    "deepseek-r1": "deepseek-r1",
+    "deepseek-v3": "deepseek-v3",
+    "glm-4.5-air": "glm-4.5",
+    "kimi-k2-instruct": "kimi-k2",
+    "gemma-4-e2b-it": "gemma4",
+    # Qwen2.5 writes Hermes tool calls and no <think>: no renderer of its own, so its template.
+    "qwen2.5-7b-instruct": GENERIC,
+}
+
+
+@pytest.mark.parametrize(("folder", "expected"), sorted(REAL_MODELS.items()))
+def test_auto_detects_each_real_models_format_from_its_files(folder: str, expected: str) -> None:
+    assert detect_chat_format(CONFIGS / folder) == expected
+
+
+def test_a_hub_cache_snapshot_is_known_by_its_checkpoint_name() -> None:
+    # No template at all: renderers' own table of checkpoints decides from the cache path.
+    snapshot = next((CONFIGS / "hub-cache").glob("models--*/snapshots/*"))
+    assert detect_chat_format(snapshot) == "nemotron-3"
+
+
+def test_the_name_the_files_were_saved_under_decides_before_the_template(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"_name_or_path": "openai/gpt-oss-20b"}')
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "<|im_start|>{{ x }}"}')
+    assert detect_chat_format(tmp_path) == "gpt-oss"
+
+
+def test_a_template_that_fits_several_formats_is_one_line_naming_them() -> None:
+    with pytest.raises(ChatFormatError) as caught:
+        detect_chat_format(CONFIGS / "glm-5")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "glm-5, glm-5.1, glm-5.3" in message and "model.chat_format" in message
+
+
+def test_a_model_without_template_or_known_name_is_one_line_naming_the_choices() -> None:
+    with pytest.raises(ChatFormatError) as caught:
+        detect_chat_format(CONFIGS / "no-template")
+    message = str(caught.value)
+    assert "\n" not in message and "no chat template" in message
+    assert "llama-3, " in message and "qwen3" in message and "auto" not in message.split(":")[-1]
+
+
+def test_a_named_format_is_taken_as_given_and_an_unknown_one_refused() -> None:
+    # A fine-tune whose template was edited: the run names its format.
+    assert resolve_chat_format("llama-3", CONFIGS / "no-template") == "llama-3"
+    assert resolve_chat_format("auto", CONFIGS / "llama-3.2-1b-instruct") == "llama-3"
+    with pytest.raises(ChatFormatError, match="unknown chat format 'llama3'; choose auto or"):
+        resolve_chat_format("llama3", CONFIGS / "llama-3.2-1b-instruct")
+
+
+def test_known_formats_are_renderers_names_without_auto_or_custom() -> None:
+    names = known_formats()
+    assert {"qwen3", "llama-3", "gpt-oss", "deepseek-r1", "glm-4.5", "gemma4", GENERIC} <= set(
+        names
+    )
+    assert "auto" not in names and "custom" not in names
+    assert bridges_turns("qwen3") and not bridges_turns(GENERIC)
+
+
+def _run_config(tmp_path: Path, chat_format: str) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "name": "t",
+            "run_dir": str(tmp_path / "run"),
+            "model": {"chat_format": chat_format},
+            "environment": {"path": "env.py"},
+        }
+    )
+
+
+def test_a_runs_gateway_renders_in_the_format_the_run_decided(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    auto = gateway_config_of(_run_config(tmp_path, "auto"), tiny_model_dir, [], tmp_path, "x" * 8)
+    assert auto.renderer == "qwen3"
+    named = gateway_config_of(
+        _run_config(tmp_path, "default"), tiny_model_dir, [], tmp_path, "x" * 8
+    )
+    assert named.renderer == GENERIC
+    with pytest.raises(ConfigError, match=r"^model\.chat_format: cannot detect"):
+        chat_format_of(_run_config(tmp_path, "auto"), CONFIGS / "no-template")
+
+
+def test_the_generic_renderer_serves_with_a_warning_and_parses_hermes_calls(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        renderer = ChatRenderer(tiny_model_dir, GENERIC)
+    assert any("counted as a split" in r.getMessage() for r in caplog.records)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+    ids = renderer.tokenizer.encode(call + "<|im_end|>", add_special_tokens=False)
+    parsed = renderer.parse_completion(ids, [], None)
+    assert parsed.has_tool_calls
+    assert parsed.message.tool_calls is not None
+    assert parsed.message.tool_calls[0].function.name == "add"
