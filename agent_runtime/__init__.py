@@ -9,6 +9,17 @@ from lockgate.agent_runtime.command import (
 )
 from lockgate.agent_runtime.environments import CommandEnvironment, load_tasks_jsonl
 from lockgate.agent_runtime.rollout import run_group, run_rollout
+from lockgate.agent_runtime.service import (
+    ServiceAgent,
+    ServiceAnswerInvalid,
+    ServiceEnvironment,
+    ServiceFailed,
+    ServiceHttpError,
+    ServiceOptions,
+    ServiceTimedOut,
+    ServiceUnreachable,
+)
+from lockgate.agent_runtime.service_wire import ServiceAnswer, ServiceRequest, ServiceTask
 from lockgate.agent_runtime.types import (
     Agent,
     Environment,
@@ -30,6 +41,17 @@ __all__ = [
     "RewardFn",
     "RolloutContext",
     "RolloutResult",
+    "ServiceAgent",
+    "ServiceAnswer",
+    "ServiceAnswerInvalid",
+    "ServiceEnvironment",
+    "ServiceFailed",
+    "ServiceHttpError",
+    "ServiceOptions",
+    "ServiceRequest",
+    "ServiceTask",
+    "ServiceTimedOut",
+    "ServiceUnreachable",
     "Task",
     "load_tasks_jsonl",
     "run_group",

@@ -1,4 +1,5 @@
-"""Ready-made environments: tasks from a JSONL file, solved by an external command."""
+"""Ready-made environments: tasks from a JSONL file, solved by an agent that runs elsewhere
+(an external command; an HTTP service is service.py's)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,29 @@ def load_tasks_jsonl(path: Path) -> list[Task]:
     return tasks
 
 
-class CommandEnvironment:
+class TasksEnvironment:
+    """Tasks from a JSONL file (or given), each rollout run by `agent`.
+
+    It has no reward function: an agent that runs elsewhere reports its reward itself.
+    """
+
+    def __init__(self, tasks: Path | Sequence[Task], agent: Agent) -> None:
+        self._tasks = list(tasks) if not isinstance(tasks, Path) else load_tasks_jsonl(tasks)
+        self._agent = agent
+
+    def train_tasks(self) -> Sequence[Task]:
+        return self._tasks
+
+    @property
+    def agent(self) -> Agent:
+        return self._agent
+
+    @property
+    def reward(self) -> RewardFn | None:
+        return None
+
+
+class CommandEnvironment(TasksEnvironment):
     """Tasks from a JSONL file, each rollout solved by running `command` (see `CommandAgent`).
 
     It has no reward function: the command prints its reward or posts it to the gateway.
@@ -60,8 +83,7 @@ class CommandEnvironment:
         output_limit_kib: int = 64,
         kill_grace_s: float = 2.0,
     ) -> None:
-        self._tasks = list(tasks) if not isinstance(tasks, Path) else load_tasks_jsonl(tasks)
-        self._agent = CommandAgent(
+        agent = CommandAgent(
             command=list(command),
             timeout_s=timeout_s,
             cwd=cwd,
@@ -70,14 +92,4 @@ class CommandEnvironment:
             output_limit_kib=output_limit_kib,
             kill_grace_s=kill_grace_s,
         )
-
-    def train_tasks(self) -> Sequence[Task]:
-        return self._tasks
-
-    @property
-    def agent(self) -> Agent:
-        return self._agent
-
-    @property
-    def reward(self) -> RewardFn | None:
-        return None
+        super().__init__(tasks, agent)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator, model_validator
 
 from lockgate.coordinator.cpu_plan import plan_here
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
@@ -348,24 +348,37 @@ class AlgorithmSection(AdvantageSpec):
     )
 
 
+_SOURCES = {
+    "path": "a Python environment file",
+    "command": "an agent program",
+    "url": "an agent service",
+}
+
+
 class EnvironmentSection(BaseModel):
-    """Either a Python environment file (`path`) or an agent command run per rollout."""
+    """Where the agent comes from: a Python environment file (`path`), an agent command run per
+    rollout (`command`) or an agent service called per rollout (`url`); exactly one of them."""
 
     model_config = ConfigDict(extra="forbid")
     path: Path | None = Field(
         default=Path("examples/toy/env.py"),
         description="Python file defining make_environment(**args); relative to the config file."
-        " Not used with `command`.",
+        " Not used with `command` or `url`.",
     )
     command: list[str] | None = Field(
         default=None,
         description="Agent program run once per rollout, any language (e.g. [python3, agent.py]);"
         ' it gets OPENAI_BASE_URL/OPENAI_API_KEY and prints {"reward": x} last. Needs `tasks`.',
     )
+    url: HttpUrl | None = Field(
+        default=None,
+        description="Agent service the coordinator POSTs each rollout to (any language, any host;"
+        " the contract: docs/bring-your-agent.md). Needs `tasks`.",
+    )
     tasks: Path | None = Field(
         default=None,
-        description='JSONL tasks for `command`, one {"id": ..., ...data} per line; relative to'
-        " the config file.",
+        description='JSONL tasks for `command` or `url`, one {"id": ..., ...data} per line;'
+        " relative to the config file.",
     )
     workdir: Path | None = Field(
         default=None,
@@ -374,29 +387,37 @@ class EnvironmentSection(BaseModel):
     )
     args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword args for make_environment, or with `command` for CommandEnvironment"
-        " (timeout_s, env, output_limit_kib, kill_grace_s).",
+        description="Keyword args for make_environment; with `command` for CommandEnvironment"
+        " (timeout_s, env, output_limit_kib, kill_grace_s); with `url` the service's options"
+        " (max_concurrency, timeout_s, retries, retry_backoff_s, headers, answer_limit_kib).",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _one_source(cls, data: Any) -> Any:
-        # Runs before defaults apply, so a `command` config does not inherit the default `path`.
+        # Runs before defaults apply, so a `command` or `url` config does not inherit the
+        # default `path`.
         if not isinstance(data, dict):
             return data
-        if data.get("command") is None:
+        external = [key for key in ("command", "url") if data.get(key) is not None]
+        if not external:
             if "path" in data and data["path"] is None:
-                raise ValueError("set `path` (a Python environment file) or `command`")
+                raise ValueError("set `path` (a Python environment file), `command` or `url`")
             unused = [key for key in ("tasks", "workdir") if data.get(key) is not None]
             if unused:
-                raise ValueError(f"{' and '.join(unused)} only apply with `command`")
+                raise ValueError(f"{' and '.join(unused)} only apply with `command` or `url`")
             return data
-        if data.get("path") is not None:
+        given = [key for key in ("path", "command", "url") if data.get(key) is not None]
+        if len(given) > 1:
+            named = [f"`{key}` ({_SOURCES[key]})" for key in given]
             raise ValueError(
-                "set `path` (a Python environment file) or `command` (an agent program), not both"
+                f"set {' or '.join(named)}, not {'both' if len(given) == 2 else 'all'}"
             )
+        (source,) = external
         if data.get("tasks") is None:
-            raise ValueError("`command` needs `tasks`: a JSONL file with one task per line")
+            raise ValueError(f"`{source}` needs `tasks`: a JSONL file with one task per line")
+        if source == "url" and data.get("workdir") is not None:
+            raise ValueError("`workdir` only applies with `command`")
         return {**data, "path": None}
 
 

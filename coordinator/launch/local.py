@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockgate.agent_runtime import CommandEnvironment, Environment, Task
 from lockgate.agent_runtime.connections import close_shared_transport
+from lockgate.agent_runtime.service import ServiceEnvironment, ServiceOptions
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.cpu_plan import CpuPlan, plan_here
 from lockgate.coordinator.errors import LockgateError, RunFailed
@@ -108,11 +109,19 @@ def _say(message: str) -> None:
 def load_environment(
     section: EnvironmentSection, model_dir: Path, log_dir: Path | None = None
 ) -> Environment:
-    """The run's environment: a CommandEnvironment for `command`, else the Python file's.
+    """The run's environment: a CommandEnvironment for `command`, a ServiceEnvironment for
+    `url`, else the Python file's.
 
     `log_dir` receives one stderr log per command rollout.
     """
     args = section.args
+    if section.url is not None:
+        assert section.tasks is not None  # EnvironmentSection guarantees it
+        try:
+            options = ServiceOptions.model_validate(args)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise ValueError(f"environment.args do not fit a service environment: {exc}") from exc
+        return ServiceEnvironment(str(section.url), section.tasks, options)
     if section.command is not None:
         assert section.tasks is not None  # EnvironmentSection guarantees it
         try:
@@ -319,6 +328,8 @@ async def _run_loop(
     async with contextlib.AsyncExitStack() as clients:
         clients.push_async_callback(close_shared_transport)
         client = await clients.enter_async_context(GatewayClient(parts.gateway_url, admin_token))
+        if isinstance(env, ServiceEnvironment):  # it checks a session's records before a retry
+            env.attach_gateway(admin_token)
         validation = None
         if validation_at is not None:
             val_url, val_tasks = validation_at
