@@ -30,6 +30,7 @@ from lockgate.gateway.api.body_limit import BodyLimit
 from lockgate.gateway.api.chat_routes import GatewayAPI
 from lockgate.gateway.api.gateway import Gateway
 from lockgate.gateway.api.responses import error_response, internal_error
+from lockgate.gateway.api.responses_routes import responses_routes
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import GatewayError, bad_request
 from lockgate.gateway.metrics import MetricsMiddleware
@@ -69,6 +70,7 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     _answer_errors(app, gateway)
     for routes in (agent_routes, service_routes, session_routes, sync_routes, pool_routes):
         app.include_router(routes(gateway))
+    app.include_router(responses_routes(gateway))  # OpenAI's Responses API, over the pipeline
     app.include_router(viewer_routes(viewer))
     return app
 

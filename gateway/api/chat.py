@@ -17,7 +17,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from lockgate.gateway.api.responses import json_response
-from lockgate.gateway.api.streaming import DeltaTracker
+from lockgate.gateway.api.streaming import DeltaTracker, start_stream
 from lockgate.gateway.calls.pipeline import CallPipeline, ChatCall
 from lockgate.gateway.calls.rendering import ChatRenderer
 from lockgate.gateway.calls.stops import as_list
@@ -96,18 +96,8 @@ class ChatAnswers:
         )
 
     async def _stream(self, call: ChatCall) -> Response:
-        chunks = call.generator.run()
-        # Wait for the first tokens before answering: a call that cannot start (no replica, a
-        # pause that outlasts the limit) still gets a plain HTTP error, not a broken stream.
-        try:
-            first = await anext(chunks, None)
-        except GatewayError:
-            await chunks.aclose()
-            await self.calls.record_unfinished(call)
-            raise
-        return StreamingResponse(
-            self._sse(call, chunks, first is not None), media_type="text/event-stream"
-        )
+        chunks, primed = await start_stream(self.calls, call)
+        return StreamingResponse(self._sse(call, chunks, primed), media_type="text/event-stream")
 
     async def _sse(
         self, call: ChatCall, chunks: AsyncIterator[int], primed: bool

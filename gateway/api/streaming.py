@@ -16,14 +16,30 @@ finish). So the concatenated deltas are the non-streamed content, token for toke
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from lockgate.gateway.calls.pipeline import CallPipeline, ChatCall
 from lockgate.gateway.calls.rendering import ChatRenderer, ParsedCompletion, token_array
 from lockgate.gateway.calls.stops import cut_at_stop
+from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.schema import AssistantMessage, ToolSpec
 
 log = logging.getLogger(__name__)
+
+
+async def start_stream(calls: CallPipeline, call: ChatCall) -> tuple[AsyncIterator[int], bool]:
+    """A streamed call's generation, started, and whether it gave tokens yet. A stream's answer
+    waits for the first tokens, so that a call that cannot start (no replica, a pause that
+    outlasts the limit) still gets a plain HTTP error, not a broken stream."""
+    chunks = call.generator.run()
+    try:
+        first = await anext(chunks, None)
+    except GatewayError:
+        await chunks.aclose()
+        await calls.record_unfinished(call)
+        raise
+    return chunks, first is not None
 
 
 def _stable(text: str) -> str:

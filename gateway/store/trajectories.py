@@ -293,6 +293,19 @@ class TrajectoryStore:
 
         return await self._run(_select)
 
+    async def get_call(self, session_id: str, index: int) -> CallRecord | None:
+        """One call of a session by its index (a Responses API continuation reads the call its
+        `previous_response_id` names)."""
+
+        def _select(conn: sqlite3.Connection) -> CallRecord | None:
+            row = conn.execute(
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE session_id = ? AND idx = ?",
+                (session_id, index),
+            ).fetchone()
+            return None if row is None else call_from_row(row)
+
+        return await self._run(_select)
+
 
 def _write_calls(conn: sqlite3.Connection, calls: list[CallRecord]) -> None:
     """Insert calls and bump their sessions' counters in one transaction."""
