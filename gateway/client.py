@@ -17,6 +17,7 @@ import httpx
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.schema import (
     CallRecord,
+    CompleteGroups,
     CreatedSession,
     GatewayStatus,
     LoadReport,
@@ -160,3 +161,27 @@ class GatewayClient:
     async def resume(self, version: int) -> GatewayStatus:
         data = await self._request("POST", "/admin/resume", {"version": version})
         return GatewayStatus.model_validate(data)
+
+    # -- client-driven rollouts (the enrolment) -------------------------------------------------
+
+    async def open_enrolment(
+        self, key: str, group_size: int, groups_admitted: int, retry_after_s: float = 2.0
+    ) -> None:
+        """Let clients with `key` create sessions in groups of `group_size` (counts restart)."""
+        body = {
+            "key": key,
+            "group_size": group_size,
+            "groups_admitted": groups_admitted,
+            "retry_after_s": retry_after_s,
+        }
+        await self._request("PUT", "/admin/enrolment", body)
+
+    async def admit_groups(self, groups_admitted: int) -> None:
+        """New groups may start while fewer than `groups_admitted` have (never lowered)."""
+        body = {"groups_admitted": groups_admitted}
+        await self._request("POST", "/admin/enrolment/admitted", body, retries=2)
+
+    async def complete_groups(self, after: int, wait_s: float) -> CompleteGroups:
+        """The enrolled groups completed after number `after`, waiting up to `wait_s` for one."""
+        path = f"/admin/enrolment/groups?after={after}&wait_s={wait_s}"
+        return CompleteGroups.model_validate(await self._request("GET", path, retries=2))

@@ -477,3 +477,74 @@ class GatewayStatus(BaseModel):
     interruptions: int  # segments cut by weight syncs since start
     tokens_kept: int
     replicas: list[ReplicaStatus]
+
+
+# Client-driven rollouts (api/enrolment.py): clients enrol sessions with the run's enrolment key,
+# the coordinator opens the enrolment, admits groups under the staleness bound and collects the
+# complete groups.
+
+
+class OpenEnrolment(BaseModel):
+    """`PUT /admin/enrolment`: open client-driven rollouts (again: counts start over)."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str = Field(
+        min_length=16, max_length=256, description="The enrolment key; only its digest is kept."
+    )
+    group_size: int = Field(ge=1, description="Sessions per GRPO group.")
+    groups_admitted: int = Field(
+        ge=0, description="New groups may start while fewer than this many have started."
+    )
+    retry_after_s: float = Field(
+        default=2.0, gt=0, le=3600, description="The Retry-After of a refused new group."
+    )
+
+
+class AdmitGroups(BaseModel):
+    """`POST /admin/enrolment/admitted`: the coordinator's new bound (it never lowers it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    groups_admitted: int = Field(ge=0)
+
+
+class EnrolmentGroup(BaseModel):
+    task_id: str
+    group_id: str
+    members: int  # sessions created in it so far
+    needed: int  # sessions still to create before it is full
+    ended: int  # its sessions finished or failed so far
+
+
+class EnrolmentInfo(BaseModel):
+    """`GET /v1/enrolment`: what a client needs to know to enrol sessions."""
+
+    model: str
+    version: int  # the weight version being served
+    group_size: int
+    groups_admitted: int
+    groups_started: int
+    open_groups: list[EnrolmentGroup]  # started, not yet complete
+
+
+class EnrolledSession(CreatedSession):
+    """`POST /v1/sessions`: the session, and the group it joined."""
+
+    task_id: str
+    group_id: str
+    members: int  # sessions in the group, this one included
+    needed: int  # sessions still to create before the group is full
+
+
+class CompleteGroup(BaseModel):
+    seq: int  # 1, 2, ...: the order groups completed in
+    task_id: str
+    group_id: str
+    version: int  # the weight version served when its first session was created
+    sessions: list[str]
+
+
+class CompleteGroups(BaseModel):
+    """`GET /admin/enrolment/groups?after=SEQ`: the groups completed after `after`."""
+
+    groups: list[CompleteGroup]
+    groups_started: int

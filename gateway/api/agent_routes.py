@@ -1,6 +1,6 @@
 """The agent-facing routes other than chat completions (those are chat_routes.py's):
-`/v1/completions`, an agent's own reward and its notes on its session (metadata), each by
-session path and by session key, the model list, `/health` and the Prometheus `/metrics`."""
+`/v1/completions`, an agent's own reward, its notes on its session (metadata) and its end
+(finish), each by session path and by session key, the model list, `/health` and the Prometheus `/metrics`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from lockgate.gateway.api.gateway import Gateway
 from lockgate.gateway.api.responses import json_response
 from lockgate.gateway.calls.bodies import parse_json, validate
 from lockgate.gateway.calls.completions import complete, read_request
-from lockgate.gateway.errors import too_large
+from lockgate.gateway.errors import conflict, too_large
 from lockgate.gateway.metrics import CONTENT_TYPE
-from lockgate.gateway.schema import SetMetadata, SetReward
+from lockgate.gateway.schema import FinishSession, SetMetadata, SetReward
 from lockgate.gateway.store.trajectories import SessionRow
 
 AgentHandler = Callable[[SessionRow, Request], Awaitable[Response]]
@@ -65,9 +65,18 @@ def agent_routes(gateway: Gateway) -> APIRouter:
         await gateway.store.merge_metadata(session.id, update.metadata)
         return json_response({"session_id": session.id, "keys": sorted(update.metadata)})
 
+    async def agent_finish(session: SessionRow, request: Request) -> Response:
+        # A client-driven rollout ends itself (its group completes with its last member); once.
+        body = validate(FinishSession, parse_json(await request.body() or b"{}"))
+        if session.status != "open":
+            raise conflict(f"session '{session.id}' is already {session.status}")
+        await gateway.finish_session(session.id, body)
+        return json_response({"session_id": session.id, "status": body.status})
+
     agent_route("/v1/completions", "/v1/completions", completion)
     agent_route("/reward", "/v1/reward", agent_reward)
     agent_route("/metadata", "/v1/metadata", agent_metadata)
+    agent_route("/finish", "/v1/finish", agent_finish)
 
     def models_payload() -> dict[str, Any]:
         return {

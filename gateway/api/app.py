@@ -28,6 +28,7 @@ from lockgate.gateway.api.admin_routes import pool_routes, session_routes, sync_
 from lockgate.gateway.api.agent_routes import agent_routes, service_routes
 from lockgate.gateway.api.body_limit import BodyLimit
 from lockgate.gateway.api.chat_routes import GatewayAPI
+from lockgate.gateway.api.enrolment_routes import enrolment_routes
 from lockgate.gateway.api.gateway import Gateway
 from lockgate.gateway.api.responses import error_response, internal_error
 from lockgate.gateway.api.responses_routes import responses_routes
@@ -68,7 +69,14 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     # Outermost: a body over the limit is refused before any route reads it (body_limit.py).
     app.put_in_front(lambda inner: BodyLimit(inner, config.limits, gateway.metrics.error))
     _answer_errors(app, gateway)
-    for routes in (agent_routes, service_routes, session_routes, sync_routes, pool_routes):
+    for routes in (
+        agent_routes,
+        service_routes,
+        session_routes,
+        sync_routes,
+        pool_routes,
+        enrolment_routes,
+    ):
         app.include_router(routes(gateway))
     app.include_router(responses_routes(gateway))  # OpenAI's Responses API, over the pipeline
     app.include_router(viewer_routes(viewer))

@@ -14,6 +14,7 @@ import httpx
 
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.api.chat import ChatAnswers
+from lockgate.gateway.api.enrolment import Enrolment
 from lockgate.gateway.api.event_loop_lag import LoopLagMonitor
 from lockgate.gateway.api.session_admission import SessionAdmission
 from lockgate.gateway.api.session_keys import (
@@ -71,6 +72,8 @@ class Gateway:
         )
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
+        # Client-driven rollouts, once the coordinator opens them (enrolment.py).
+        self.enrolment: Enrolment | None = None
         self.metrics = GatewayMetrics(self.status)
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
         self.calls = CallPipeline(
@@ -164,6 +167,8 @@ class Gateway:
         self.pool.forget_session(session_id)
         self.calls.end_session(session_id)
         self.admission.forget(session_id)
+        if self.enrolment is not None:
+            self.enrolment.ended(session_id)
 
     def require(self, session_id: str) -> SessionRow:
         row = self._sessions.get(session_id)

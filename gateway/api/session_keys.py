@@ -11,12 +11,20 @@ import hashlib
 import secrets
 
 SESSION_KEY_PREFIX = "lg-sk-"
+# A run's enrolment key (client-driven rollouts, api/enrolment.py): it creates sessions, nothing
+# else, so it says so in its prefix and is never mistaken for a session's key.
+ENROLMENT_KEY_PREFIX = "lg-ek-"
 _DIGEST_PREFIX = "sha256:"
 
 
 def new_session_key() -> str:
     """A fresh session key: 192 random bits, after a prefix that says what it is."""
     return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+def new_enrolment_key() -> str:
+    """A fresh enrolment key: as unguessable as a session key, with its own prefix."""
+    return ENROLMENT_KEY_PREFIX + secrets.token_urlsafe(24)
 
 
 def key_digest(key: str) -> str:
