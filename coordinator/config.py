@@ -298,6 +298,19 @@ class LoopSection(BaseModel):
     val_concurrency: int = Field(
         default=8, ge=1, description="Validation rollouts running at once."
     )
+    # Here and not in `environment`: it says who starts the groups the loop trains on, which
+    # is the loop's business; the environment says what the agents are, and in client mode
+    # the agents are not the run's (the environment then serves only validation).
+    rollouts: Literal["dispatch", "client"] = Field(
+        default="dispatch",
+        description="Who starts the rollouts. dispatch: the loop picks the environment's tasks "
+        "and runs its agent, group_size sessions per task. client: the loop starts none; "
+        "clients holding the run's enrolment key (RUN_DIR/enrolment.json) create sessions "
+        "(POST /v1/sessions with a task id and a group), run any agent on them and finish them "
+        "with a reward; a group of group_size finished sessions is trained on, and a new group "
+        "past the staleness gate is refused with a 429 and Retry-After "
+        "(docs/bring-your-agent.md, 'Client-driven rollouts').",
+    )
 
     @property
     def off_policy_bound(self) -> int:
@@ -546,6 +559,15 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"algorithm.screen_size={screen} must be below group_size={size} "
                 "(loop.group_size; 0 turns screening off)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _screening_needs_dispatch(self) -> RunConfig:
+        if self.algorithm.screen_size and self.loop.rollouts == "client":
+            raise ValueError(
+                "algorithm.screen_size screens the loop's own dispatch; with loop.rollouts: "
+                "client the clients start every rollout (set screen_size: 0)"
             )
         return self
 

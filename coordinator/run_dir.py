@@ -8,6 +8,8 @@ RUN_DIR/
 ├── trajectories.sqlite         the training gateway's store
 ├── val_trajectories.sqlite     the validation gateway's store (greedy rollouts)
 ├── gateway_config.json         the training gateway's config (without the admin token)
+├── enrolment.json              with loop.rollouts: client, where and how clients enrol sessions
+│                               (the gateway's URL, the enrolment key, the group size; mode 0600)
 ├── val_gateway_config.json     the validation gateway's config
 ├── report/                     `lockgate report`'s default output
 ├── tensorboard/                the TensorBoard sink's event files
@@ -69,6 +71,11 @@ class RunDir:
     @property
     def wandb_run_id(self) -> Path:
         return self.path / "wandb_run_id"
+
+    @property
+    def enrolment(self) -> Path:
+        """Client-driven runs: the gateway's URL, the enrolment key and the group size."""
+        return self.path / "enrolment.json"
 
     # -- the gateways' files -----------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from lockgate.coordinator.launch.placement import (
 )
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, vllm_is_cpu_build
 from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
+from lockgate.coordinator.loop.client_rollouts import enrol_clients
 from lockgate.coordinator.loop.state import LoopState, load_state, truncate_steps
 from lockgate.coordinator.loop.training import RunSummary, TrainingLoop, Validation
 from lockgate.coordinator.loop.validation import val_tasks_of
@@ -335,6 +336,14 @@ async def _run_loop(
             val_url, val_tasks = validation_at
             val_client = await clients.enter_async_context(GatewayClient(val_url, admin_token))
             validation = Validation(val_client, val_tasks)
+        source = None
+        if config.loop.rollouts == "client":
+            source, enrolment = enrol_clients(client, run_dir, config.loop.group_size)
+            _say(
+                f"client-driven rollouts: enrol sessions at {enrolment.url}/v1/sessions with "
+                f"the key {enrolment.key} (also in {RunDir(run_dir).enrolment}), groups of "
+                f"{enrolment.group_size}"
+            )
         try:
             loop = TrainingLoop(
                 config.loop,
@@ -349,6 +358,7 @@ async def _run_loop(
                 resume=state,
                 validation=validation,
                 previous_rewards=rewards,
+                source=source,
             )
             try:
                 return await _watched(loop.run(), parts.started_gateways())

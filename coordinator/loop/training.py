@@ -1,12 +1,14 @@
-"""The training loop: dispatch groups under the staleness bound, train, sync weights.
+"""The training loop: groups under the staleness bound, train, sync weights.
 
-Three supervised coroutines share one TaskGroup, so any failure stops the run with its
-traceback instead of being lost in a done-callback:
+Supervised coroutines share one TaskGroup, so any failure stops the run with its traceback
+instead of being lost in a done-callback:
 
-- the dispatcher starts a group whenever the staleness controller allows it;
-- each group runs n rollouts through agent_runtime, fetches their samples and queues the group
-  (with `screen_size` k, k rollouts first: a group none of whose k scores above 0 is dropped
-  there, the other n - k never generated);
+- a source of finished groups (sources.py): the loop's own dispatch, which starts a group
+  whenever the staleness controller allows it and runs its n rollouts through agent_runtime
+  (dispatch.py), or clients that create their sessions themselves and finish them with rewards,
+  admitted by the gateway under the same gate (client_rollouts.py); either hands each finished
+  group to the loop (`collect`, then `offer`: a group too small or without variance is dropped
+  there and frees its slot);
 - the trainer side takes B groups per step (dropping rollouts past the max-off-policy bound),
   trains, and after every `sync_every` steps pauses the gateway, loads the new weights on every
   replica and resumes at the new version. With η >= 1 (and `sync.overlap`) that sync runs
@@ -16,7 +18,7 @@ traceback instead of being lost in a done-callback:
   makes them stricter.
 
 Synchronous (η = 0), one-step-off (η = 1) and fully-async (η > 1) runs share this one step
-pipeline; only the gate differs.
+pipeline; only the gate differs. So do both sources of groups.
 
 Validation (`val_every`): a round of greedy rollouts starts right after the sync of every
 `val_every`-th step (and at the start) and runs beside the training rollouts; the next sync
@@ -31,19 +33,20 @@ step's weights, dispatches the groups pending at that step again, and goes on fr
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lockgate.agent_runtime import Environment, RolloutResult, Task, run_group
+from lockgate.agent_runtime import Environment, RolloutResult, Task
 from lockgate.coordinator.config import AlgorithmSection, LoopSection, SyncSection
 from lockgate.coordinator.errors import RunFailed
+from lockgate.coordinator.loop.dispatch import DispatchSource
 from lockgate.coordinator.loop.groups import Group, Rollout, drop_reason, group_to_train_samples
+from lockgate.coordinator.loop.sources import GroupSource
 from lockgate.coordinator.loop.staleness import (
     StalenessController,
     drop_stale_rollouts,
@@ -118,6 +121,7 @@ class TrainingLoop:
         resume: LoopState | None = None,
         validation: Validation | None = None,
         previous_rewards: Sequence[float] = (),
+        source: GroupSource | None = None,
     ) -> None:
         self.config = config
         self.algorithm = algorithm or AlgorithmSection()
@@ -128,11 +132,8 @@ class TrainingLoop:
         self.metrics = metrics
         self.version = 0
         self.controller = StalenessController(config.groups_per_step, config.max_staleness)
-        self._tasks = list(env.train_tasks())
-        if not self._tasks:
-            raise ValueError("the environment has no training tasks")
         self._ready: asyncio.Queue[Group] = asyncio.Queue()
-        self._version_changed = asyncio.Condition()
+        self.version_changed = asyncio.Condition()
         self._counters: Counter[str] = Counter()
         self._gen_tokens = 0
         # Throughput is measured between step records, over everything collected meanwhile
@@ -150,16 +151,22 @@ class TrainingLoop:
         self._pending: set[int] = set()
         self._dropped: list[int] = []
         self._next_serial = 0
-        self._redispatch: list[int] = []
         self._first_step = 1
         self._resume = resume
         if resume is not None:
             self._first_step = resume.step + 1
             self._next_serial = resume.next_serial
-            self._redispatch = sorted(resume.pending)
             self._counters.update(resume.counters)
             # Every group trained so far holds its slot; the pending ones take theirs again.
             self.controller.groups_started = resume.step * config.groups_per_step
+        # The loop's own dispatch unless the run's groups come from elsewhere (sources.py).
+        self.source: GroupSource = source or DispatchSource(
+            env,
+            gateway,
+            config,
+            self.algorithm,
+            redispatch=resume.pending if resume is not None else (),
+        )
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
@@ -168,7 +175,7 @@ class TrainingLoop:
         async with asyncio.TaskGroup() as tg:
             if self._validation is not None and self._resume is None:
                 self._start_validation(tg)
-            dispatcher = tg.create_task(self._dispatch(tg), name="dispatcher")
+            dispatcher = tg.create_task(self.source.run(self), name="group-source")
             try:
                 for step in range(self._first_step, self.config.steps + 1):
                     self._rewards.append(await self._step(step, tg))
@@ -212,69 +219,20 @@ class TrainingLoop:
         log.info("resume: syncing replicas to %s (version %d)", weights, step)
         await self._sync(str(weights), step)
 
-    # -- generation side ------------------------------------------------------------------------
+    # -- what a source of groups uses (sources.py's GroupSink) ---------------------------------
 
-    def _serials(self) -> Iterator[int]:
-        yield from self._redispatch
-        yield from itertools.count(self._next_serial)
+    @property
+    def next_serial(self) -> int:
+        return self._next_serial
 
-    async def _dispatch(self, tg: asyncio.TaskGroup) -> None:
-        groups: set[asyncio.Task[None]] = set()
-        try:
-            for serial in self._serials():
-                async with self._version_changed:
-                    await self._version_changed.wait_for(
-                        lambda: self.controller.can_start(self.version)
-                    )
-                    self.controller.started()
-                    dispatch_version = self.version
-                    # The cursor moves only once the group is really started (loop_state.py).
-                    self._pending.add(serial)
-                    self._next_serial = max(self._next_serial, serial + 1)
-                task = self._tasks[serial % len(self._tasks)]
-                t = tg.create_task(
-                    self._run_group(serial, task, dispatch_version), name=f"group-{serial}"
-                )
-                groups.add(t)
-                t.add_done_callback(groups.discard)
-        except asyncio.CancelledError:
-            # The run is over: rollouts still in flight are abandoned, not trained on.
-            for t in list(groups):
-                t.cancel()
-            raise
+    def started(self, serial: int) -> None:
+        self._pending.add(serial)
+        self._next_serial = max(self._next_serial, serial + 1)
 
-    async def _run_group(self, serial: int, task: Task, dispatch_version: int) -> None:
-        group_id = f"g{serial}-{task.id}"
-        metadata = {"dispatch_version": dispatch_version, "serial": serial}
+    def count(self, key: str, n: int = 1) -> None:
+        self._counters[key] += n
 
-        async def rollouts(n: int) -> list[RolloutResult]:
-            return await run_group(
-                self.gateway,
-                self.env.agent,
-                task,
-                n,
-                group_id=group_id,
-                reward_fn=self.env.reward,
-                timeout_s=self.config.rollout_timeout_s,
-                metadata=metadata,
-            )
-
-        screen, size = self.algorithm.screen_size, self.config.group_size
-        group = await self._collect(
-            task, group_id, dispatch_version, await rollouts(screen or size)
-        )
-        group.serial = serial
-        if screen:
-            if not any(r > 0 for r in group.rewards):
-                self._counters[Count.GROUPS_SCREENED_OUT] += 1
-                await self._release(serial)
-                return
-            rest = await self._collect(
-                task, group_id, dispatch_version, await rollouts(size - screen)
-            )
-            group.rollouts += rest.rollouts
-            for why, count in rest.failures.items():
-                group.failures[why] = group.failures.get(why, 0) + count
+    async def offer(self, group: Group) -> None:
         reason = drop_reason(
             group,
             min_group_size=self.config.min_group_size,
@@ -282,22 +240,21 @@ class TrainingLoop:
         )
         if reason is not None:
             self._counters[Count.groups_dropped(reason)] += 1
-            await self._release(serial)
+            await self.release(group.serial)
             return
         await self._ready.put(group)
 
-    async def _release(self, serial: int) -> None:
-        """A started group that yields nothing trainable frees its slot for a replacement."""
+    async def release(self, serial: int) -> None:
         self._pending.discard(serial)
         self._dropped.append(serial)
-        async with self._version_changed:
+        async with self.version_changed:
             self.controller.cancelled()
-            self._version_changed.notify_all()
+            self.version_changed.notify_all()
 
-    async def _collect(
-        self, task: Task, group_id: str, dispatch_version: int, results: Sequence[RolloutResult]
+    async def collect(
+        self, task_id: str, group_id: str, version: int, results: Sequence[RolloutResult]
     ) -> Group:
-        group = Group(task.id, group_id, dispatch_version, rollouts=[])
+        group = Group(task_id, group_id, version, rollouts=[])
         for result in results:
             # The viewer counts a group's rollouts by the same rule (records/advantages.py).
             reward = group_reward(result.status, result.reward)
@@ -329,7 +286,7 @@ class TrainingLoop:
                     drop_zero_variance=self.algorithm.drop_zero_variance,
                 ):
                     self._counters[Count.GROUPS_DROPPED_STALE] += 1
-                    await self._release(group.serial)
+                    await self.release(group.serial)
                     continue
             groups.append(group)
         return groups
@@ -526,9 +483,9 @@ class TrainingLoop:
         resume_started = time.monotonic()
         await self.gateway.resume(version)
         resume_s = time.monotonic() - resume_started
-        async with self._version_changed:
+        async with self.version_changed:
             self.version = version
-            self._version_changed.notify_all()
+            self.version_changed.notify_all()
         self._counters[Count.SYNCS] += 1
         self._counters[Count.INTERRUPTED_SEGMENTS] += pause.interrupted
         self._counters[Count.INTERRUPTED_TOKENS_KEPT] += pause.tokens_kept
