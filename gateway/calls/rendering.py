@@ -77,9 +77,20 @@ _TOOL_CALL_OPENERS: Final[dict[str, str]] = {
 }
 
 
+# DeepSeek-R1's template drops the reasoning of every earlier turn, so `renderers` never bridges
+# it by default and each call of an agent's tool loop would be a re-render. Within one tool
+# cycle the model's own tokens (its reasoning included) are kept instead, as Qwen3's renderer
+# does; a new user message still re-renders as the template would.
+_TOOL_CYCLE_RETENTION: Final = frozenset({"deepseek-r1"})
+
+
 def _renderer_config(name: str, template: str | None) -> renderers.BaseRendererConfig:
     """The typed config of format `name`; the generic renderer gets the parsers its template's
     markers call for, so a Hermes-style template still yields tool calls and reasoning."""
+    if name in _TOOL_CYCLE_RETENTION:
+        return renderers.config_from_name(name).model_copy(  # type: ignore[union-attr]
+            update={"thinking_retention": "tool_cycle"}
+        )
     if name != GENERIC:
         config = renderers.config_from_name(name)
         assert config is not None  # only `auto` has none, and it is resolved before this

@@ -1,11 +1,13 @@
-"""A tiny Qwen3-style model, built offline and cached, for tests and the CPU demo.
+"""A tiny model per chat family (Qwen3-style by default), built offline and cached, for tests
+and the CPU demo.
 
 Everything here is generated locally and deterministically: a byte-level BPE tokenizer trained
-on a synthetic corpus, carrying Qwen3's added tokens with Qwen3's special / non-special flags,
-Qwen3's chat template (tools, `<tool_call>`, `<tool_response>`, `<think>`), and a randomly
-initialised `Qwen3ForCausalLM` small enough to train on two CPU cores. Because the tokenizer and
-template mirror real Qwen3, the `renderers` library's Qwen3 renderer produces exactly the ids
-the template does, so the gateway's token-exact path is exercised as it would be on a real model.
+on a synthetic corpus, carrying the family's added tokens with their special / non-special flags
+(Qwen3's by default), its chat template (tools, tool calls and results, reasoning where the
+format has it), and a randomly initialised model of the family's architecture small enough to
+train on two CPU cores (families.py). Because the tokenizer and template mirror the real format,
+the `renderers` library's renderer for it produces exactly the ids the template does, so the
+gateway's token-exact path is exercised as it would be on a real model.
 
     python -m lockgate.trainer.tiny_models.builder [--cache-dir DIR | --out DIR]
 """
@@ -27,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from lockgate.trainer.tiny_models.families import Architecture, ChatFamily, family
+from lockgate.trainer.tiny_models.qwen3_template import QWEN3_ADDED_TOKENS
+
 TINY_MODEL_NAME: Final = "lockgate-tiny-qwen3"
 # Bump when the builder's output changes in a way the parameters below do not capture.
 BUILDER_VERSION: Final = 1
@@ -37,37 +42,7 @@ _VOCAB_MULTIPLE: Final = 64
 _CORPUS_DOCUMENTS: Final = 6000
 _MODEL_MAX_LENGTH: Final = 2048
 
-# Qwen3's added tokens in Qwen3's order, with Qwen3's `special` flag. The non-special ones
-# (`<tool_call>`, `<think>`, ...) survive `decode(skip_special_tokens=True)`, which reasoning
-# and tool-call parsers rely on.
-_QWEN3_ADDED_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
-    ("<|endoftext|>", True),
-    ("<|im_start|>", True),
-    ("<|im_end|>", True),
-    ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True),
-    ("<|box_start|>", True),
-    ("<|box_end|>", True),
-    ("<|quad_start|>", True),
-    ("<|quad_end|>", True),
-    ("<|vision_start|>", True),
-    ("<|vision_end|>", True),
-    ("<|vision_pad|>", True),
-    ("<|image_pad|>", True),
-    ("<|video_pad|>", True),
-    ("<tool_call>", False),
-    ("</tool_call>", False),
-    ("<|fim_prefix|>", False),
-    ("<|fim_middle|>", False),
-    ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False),
-    ("<|repo_name|>", False),
-    ("<|file_sep|>", False),
-    ("<tool_response>", False),
-    ("</tool_response>", False),
-    ("<think>", False),
-    ("</think>", False),
-)
+_QWEN3_ADDED_TOKENS: Final = QWEN3_ADDED_TOKENS  # the default model's, by their old name
 EOS_TOKEN: Final = "<|im_end|>"
 PAD_TOKEN: Final = "<|endoftext|>"
 
@@ -78,98 +53,6 @@ _QWEN_SPLIT_PATTERN: Final = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-# Qwen3's chat template (Qwen3 dense / MoE checkpoints, hybrid thinking), kept verbatim in
-# behaviour so that renderers' Qwen3Renderer and `apply_chat_template` agree token for token.
-QWEN3_CHAT_TEMPLATE: Final = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"""
 
 # Architecture: small enough for two CPU cores, head_dim 32 because vLLM's CPU attention
 # backend only supports head sizes in {32, 64, 80, ...}; one KV head exercises GQA.
@@ -198,9 +81,13 @@ class TinyModelSpec:
 
     name: str = TINY_MODEL_NAME
     seed: int = DEFAULT_SEED
+    format: str = "qwen3"  # a chat family of families.py
     shape: Mapping[str, Any] = field(default_factory=dict)
     vocab_target: int = _VOCAB_TARGET
     extra_corpus: tuple[str, ...] = ()
+
+    def family(self) -> ChatFamily:
+        return family(self.format)
 
     def model_shape(self) -> dict[str, Any]:
         unknown = set(self.shape) - set(_MODEL_SHAPE)
@@ -361,14 +248,28 @@ def _builder_parameters(spec: TinyModelSpec) -> dict[str, Any]:
         "vocab_multiple": _VOCAB_MULTIPLE,
         "corpus_documents": _CORPUS_DOCUMENTS,
         "model_max_length": _MODEL_MAX_LENGTH,
-        "added_tokens": _QWEN3_ADDED_TOKENS,
+        "added_tokens": spec.family().added_tokens,
         "split_pattern": _QWEN_SPLIT_PATTERN,
-        "chat_template": QWEN3_CHAT_TEMPLATE,
+        "chat_template": spec.family().chat_template,
         "model_shape": spec.model_shape(),
         "words": _WORDS,
         "tool_names": _TOOL_NAMES,
         "arg_names": _ARG_NAMES,
+        # Only a family other than the default names itself, so the default model's cache
+        # folder (and every cached copy of it) keeps its name.
+        **(
+            {} if spec.format == "qwen3" else {"format": spec.format, "family": repr(spec.family())}
+        ),
     }
+
+
+def family_spec(chat_format: str) -> TinyModelSpec:
+    """The tiny test model of one chat family (families.py): the default model's shape and
+    corpus, that family's tokenizer, template and architecture."""
+    family(chat_format)  # an unknown name fails here, naming the choices
+    if chat_format == "qwen3":
+        return TinyModelSpec()
+    return TinyModelSpec(name=f"lockgate-tiny-{chat_format}", format=chat_format)
 
 
 def builder_fingerprint(seed: int = DEFAULT_SEED, spec: TinyModelSpec | None = None) -> str:
@@ -384,7 +285,11 @@ def default_cache_dir() -> Path:
 
 
 def _build_tokenizer(
-    out_dir: Path, seed: int, vocab_target: int = _VOCAB_TARGET, extra: Iterable[str] = ()
+    out_dir: Path,
+    seed: int,
+    vocab_target: int = _VOCAB_TARGET,
+    extra: Iterable[str] = (),
+    chat: ChatFamily | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Train and save the tokenizer; return its length and the ids of the added tokens."""
     from tokenizers import (
@@ -400,6 +305,7 @@ def _build_tokenizer(
     )
     from transformers import PreTrainedTokenizerFast
 
+    chat = chat if chat is not None else family("qwen3")
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -413,7 +319,7 @@ def _build_tokenizer(
         add_prefix_space=False, trim_offsets=False, use_regex=False
     )
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_target - len(_QWEN3_ADDED_TOKENS),
+        vocab_size=vocab_target - len(chat.added_tokens),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -422,8 +328,8 @@ def _build_tokenizer(
     corpus = itertools.chain(synthetic_corpus(seed), extra)
     tok.train_from_iterator(corpus, trainer=trainer)
 
-    # One at a time so the ids come out in Qwen3's order regardless of the special flag.
-    for content, special in _QWEN3_ADDED_TOKENS:
+    # One at a time so the ids come out in the family's order regardless of the special flag.
+    for content, special in chat.added_tokens:
         added = AddedToken(
             content,
             single_word=False,
@@ -439,12 +345,14 @@ def _build_tokenizer(
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        bos_token=None,
+        eos_token=chat.eos,
+        pad_token=chat.pad,
+        bos_token=chat.bos,
         unk_token=None,
-        additional_special_tokens=[c for c, special in _QWEN3_ADDED_TOKENS[1:] if special],
-        chat_template=QWEN3_CHAT_TEMPLATE,
+        additional_special_tokens=[
+            c for c, special in chat.added_tokens if special and c not in (chat.pad, chat.bos)
+        ],
+        chat_template=chat.chat_template,
         model_max_length=_MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
@@ -452,8 +360,34 @@ def _build_tokenizer(
         padding_side="right",
     )
     fast.save_pretrained(str(out_dir))
-    ids = {content: tok.token_to_id(content) for content, _ in _QWEN3_ADDED_TOKENS}
+    ids = {content: tok.token_to_id(content) for content, _ in chat.added_tokens}
     return tok.get_vocab_size(with_added_tokens=True), ids
+
+
+def _model_config(arch: Architecture, shape: dict[str, Any], **tokens: Any) -> Any:
+    """The transformers config of a tiny model of `arch` (its `architectures` set)."""
+    import torch
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    shape = dict(shape)
+    rope = {"rope_type": "default", "rope_theta": shape.pop("rope_theta")}
+    common = {"rope_parameters": rope, "use_cache": True, "attention_bias": False, **tokens}
+    if arch == "llama":
+        config = LlamaConfig(mlp_bias=False, **common, **shape)
+    elif arch == "qwen2":
+        config = Qwen2Config(use_sliding_window=False, **common, **shape)
+    else:
+        config = Qwen3Config(use_sliding_window=False, **common, **shape)
+    config.architectures = [_ARCHITECTURE_CLASSES[arch]]
+    config.dtype = torch.float32
+    return config
+
+
+_ARCHITECTURE_CLASSES: Final[dict[str, str]] = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 
 
 def build_tiny_model(
@@ -461,41 +395,33 @@ def build_tiny_model(
 ) -> None:
     """Write tokenizer, config, generation config and random weights into `out_dir`."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     spec = spec if spec is not None else TinyModelSpec(seed=seed)
+    chat = spec.family()
     seed = spec.seed
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_len, ids = _build_tokenizer(out_dir, seed, spec.vocab_target, spec.extra_corpus)
+    tokenizer_len, ids = _build_tokenizer(out_dir, seed, spec.vocab_target, spec.extra_corpus, chat)
     vocab_size = -(-tokenizer_len // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
-    shape = spec.model_shape()
-    rope_theta = shape.pop("rope_theta")
-
-    config = Qwen3Config(
+    bos, eos, pad = ids[chat.bos or chat.pad], ids[chat.eos], ids[chat.pad]
+    config = _model_config(
+        chat.architecture,
+        spec.model_shape(),
         vocab_size=vocab_size,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        use_cache=True,
-        use_sliding_window=False,
-        attention_bias=False,
-        bos_token_id=ids[PAD_TOKEN],
-        eos_token_id=ids[EOS_TOKEN],
-        pad_token_id=ids[PAD_TOKEN],
-        **shape,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.dtype = torch.float32
 
     # A private generator state: the build must not depend on (or disturb) the caller's RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     # No sampling defaults: vLLM applies generation_config's sampling fields to requests that do
     # not set them, which would silently change the RL sampling policy.
     model.generation_config = GenerationConfig(
-        bos_token_id=ids[PAD_TOKEN],
-        eos_token_id=[ids[EOS_TOKEN], ids[PAD_TOKEN]],
-        pad_token_id=ids[PAD_TOKEN],
+        bos_token_id=bos, eos_token_id=[eos, pad], pad_token_id=pad
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
 

@@ -4,6 +4,7 @@ reads, hand-written, no weights), and where a run and `lockgate sft` take it fro
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -125,3 +126,85 @@ def test_the_generic_renderer_serves_with_a_warning_and_parses_hermes_calls(
     assert parsed.has_tool_calls
     assert parsed.message.tool_calls is not None
     assert parsed.message.tool_calls[0].function.name == "add"
+
+
+# What each family's model writes when it calls add(a=2, b=3): the format's own call syntax,
+# after the generation prompt its renderer ends with, through the token that ends the turn.
+_DS = {
+    k: f"<\uff5c{k.replace(' ', chr(0x2581))}\uff5c>"
+    for k in (
+        "tool calls begin",
+        "tool calls end",
+        "tool call begin",
+        "tool call end",
+        "tool sep",
+        "end of sentence",
+    )
+}
+CALL_TEXT = {
+    "qwen3": '<think>\n\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}'
+    "\n</tool_call><|im_end|>",
+    "llama-3": '{"name": "add", "parameters": {"a": 2, "b": 3}}<|eot_id|>',
+    "deepseek-r1": "Adding.\n</think>\n\n"
+    + _DS["tool calls begin"]
+    + _DS["tool call begin"]
+    + "function"
+    + _DS["tool sep"]
+    + 'add\n```json\n{"a": 2, "b": 3}\n```'
+    + _DS["tool call end"]
+    + _DS["tool calls end"]
+    + _DS["end of sentence"],
+    "default": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+}
+ADD_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("name", sorted(CALL_TEXT))
+def test_each_formats_tool_call_parses_and_the_tool_turn_bridges_onto_its_tokens(
+    name: str,
+) -> None:
+    from lockgate.gateway.calls.rendering import PreviousTurn, token_array
+    from lockgate.gateway.schema import ChatMessage, ToolSpec
+    from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
+
+    renderer = ChatRenderer(ensure_tiny_model(spec=family_spec(name)), name)
+    tools = [ToolSpec.model_validate(t) for t in ADD_TOOL]
+    asked = [ChatMessage.model_validate({"role": "user", "content": "What is 2 + 3?"})]
+    prompt = renderer.render_prompt(asked, tools, None).prompt_ids
+    completion = renderer.tokenizer.encode(CALL_TEXT[name], add_special_tokens=False)
+    assert completion[-1] in renderer.stop_token_ids
+    parsed = renderer.parse_completion(completion, prompt, tools)
+    (call,) = parsed.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+    reply = parsed.message.model_dump(exclude_none=True)
+    history = [
+        *asked,
+        ChatMessage.model_validate(reply),
+        ChatMessage.model_validate({"role": "tool", "tool_call_id": call.id, "content": "5"}),
+    ]
+    previous = PreviousTurn(
+        messages=[m.model_dump(exclude_none=True) for m in asked],
+        tools=[t.model_dump(exclude_none=True) for t in tools],
+        prompt_ids=prompt,
+        completion_ids=token_array(completion),
+    )
+    nxt = renderer.render_prompt(history, tools, previous)
+    # Bridged: the next prompt is the previous call's exact tokens, extended (0 splits); only
+    # the generic template re-renders, and the gateway counts that.
+    assert nxt.extends_previous is bridges_turns(name)
+    if bridges_turns(name):
+        assert nxt.prompt_ids[: len(prompt) + len(completion)].tolist() == [
+            *prompt.tolist(),
+            *completion,
+        ]

@@ -1,0 +1,76 @@
+"""The tiny model of every chat family (trainer/tiny_models/families.py): built offline and
+cached under a name of its own, in the architecture its family is served with, and with a chat
+template the format's `renderers` renderer reproduces token for token (so `lockgate sft`,
+which renders with the template, masks exactly what the gateway records)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import renderers
+from transformers import AutoConfig, AutoTokenizer
+
+from lockgate.gateway.calls.chat_format import GENERIC, detect_chat_format
+from lockgate.trainer.tiny_models.builder import (
+    builder_fingerprint,
+    ensure_tiny_model,
+    family_spec,
+)
+from lockgate.trainer.tiny_models.families import FAMILIES
+from tests.unit.trainer.test_tiny_model import OPENAI_TOOLS, PLAIN, TOOL_CONVERSATION
+
+# Up to the second user message: one call per assistant turn, as Llama 3's template allows.
+TOOL_TURNS = TOOL_CONVERSATION[:6]
+
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama-3": "LlamaForCausalLM",
+    "deepseek-r1": "Qwen2ForCausalLM",
+    "default": "Qwen2ForCausalLM",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    return request.param, ensure_tiny_model(spec=family_spec(request.param))
+
+
+def test_every_family_is_listed_here() -> None:
+    assert set(FAMILIES) == set(ARCHITECTURES)
+
+
+def test_each_family_has_its_architecture_and_is_detected_as_its_format(
+    family_dir: tuple[str, Path],
+) -> None:
+    name, model_dir = family_dir
+    assert AutoConfig.from_pretrained(str(model_dir)).architectures == [ARCHITECTURES[name]]
+    assert detect_chat_format(model_dir) == name
+
+
+def test_each_family_is_cached_apart_and_the_default_keeps_its_name() -> None:
+    prints = {name: builder_fingerprint(spec=family_spec(name)) for name in FAMILIES}
+    assert len(set(prints.values())) == len(FAMILIES)
+    assert prints["qwen3"] == builder_fingerprint()
+    assert ensure_tiny_model(spec=family_spec("qwen3")).name.startswith("lockgate-tiny-qwen3-")
+    with pytest.raises(ValueError, match="no tiny model in format 'llama3'; choose one of"):
+        family_spec("llama3")
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", ["plain", "tools"])
+def test_the_template_and_the_formats_renderer_agree_token_for_token(
+    family_dir: tuple[str, Path], conversation: str, generation_prompt: bool
+) -> None:
+    name, model_dir = family_dir
+    if name == GENERIC:
+        pytest.skip("the generic format renders with the template itself")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    renderer = renderers.create_renderer(tok, renderers.config_from_name(name))
+    messages, tools = (PLAIN, None) if conversation == "plain" else (TOOL_TURNS, OPENAI_TOOLS)
+    text = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+    )
+    expected = tok.encode(text, add_special_tokens=False)
+    got = renderer.render_ids(messages, tools=tools, add_generation_prompt=generation_prompt)
+    assert got == expected, (tok.decode(got), tok.decode(expected))

