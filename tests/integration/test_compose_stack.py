@@ -1,5 +1,5 @@
 """docker-compose.yml's deepresearch profile as local processes (tests/support/compose_local.py):
-the retrieval service serves a corpus."""
+the retrieval service, started alone, serves a corpus."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import httpx
 from lockgate.coordinator.launch.processes import free_port
 from tests.support.compose_local import (
     LocalStack,
+    compose_variables,
     load_compose,
     local_mapping,
-    read_env_file,
     services_of,
 )
 from tests.support.marked_processes import processes_with_marker
@@ -30,10 +30,12 @@ from tests.unit.project.test_compose_stack import (
 
 def test_the_deepresearch_retrieval_service_serves_a_corpus(tmp_path: Path) -> None:
     port = free_port()
-    env_file = _env_file(tmp_path, LOCKGATE_ADMIN_TOKEN=TOKEN, RETRIEVAL_PORT=str(port))
-    compose = load_compose(COMPOSE, read_env_file(env_file))
-    services = services_of(compose, {"deepresearch"})
-    assert list(services) == ["retrieval"]
+    env_file = _env_file(tmp_path, f"LOCKGATE_ADMIN_TOKEN={TOKEN}")
+    compose = load_compose(COMPOSE, compose_variables(env_file, {"RETRIEVAL_PORT": str(port)}))
+    enabled = services_of(compose, {"deepresearch"})
+    assert [name for name in enabled if compose["services"][name].get("profiles")] == ["retrieval"]
+    # `docker compose --profile deepresearch up retrieval`: the service alone.
+    services = {"retrieval": enabled["retrieval"]}
     mapping = local_mapping(services, tmp_path / "data")
     docs = [
         {"id": "1", "contents": '"Kaven Lomos"\nKaven Lomos was born in Tarsk.'},

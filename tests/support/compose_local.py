@@ -101,6 +101,11 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+def compose_variables(env_file: Path, shell: Mapping[str, str]) -> dict[str, str]:
+    """The variables compose substitutes: the .env file's, and the shell's, which win."""
+    return {**read_env_file(env_file), **shell}
+
+
 def load_compose(path: Path, env: Mapping[str, str]) -> dict[str, Any]:
     """The compose file with YAML anchors and merges resolved and variables substituted."""
     raw = yaml.safe_load(path.read_text())
