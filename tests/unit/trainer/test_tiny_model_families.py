@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama-3": "LlamaForCausalLM",
     "deepseek-r1": "Qwen2ForCausalLM",
+    "glm-4.5": "LlamaForCausalLM",
     "default": "Qwen2ForCausalLM",
 }
 
@@ -74,3 +75,37 @@ def test_the_template_and_the_formats_renderer_agree_token_for_token(
     expected = tok.encode(text, add_special_tokens=False)
     got = renderer.render_ids(messages, tools=tools, add_generation_prompt=generation_prompt)
     assert got == expected, (tok.decode(got), tok.decode(expected))
+
+
+# What `lockgate sft` (which masks by rendering prefixes with the template) does per family on a
+# tool-using chat: masks exactly the tokens the format's renderer marks as sampled, or refuses
+# the chat with a one-line reason; never a wrong mask. Qwen3 and DeepSeek-R1 re-render history
+# (reasoning dropped), GLM-4.5 closes an assistant turn with the next role's marker.
+SFT_REFUSES = {
+    "qwen3": "re-renders history",
+    "deepseek-r1": "re-renders history",
+    "glm-4.5": "has no end-of-turn token",
+}
+
+
+def test_sft_masks_exactly_the_formats_sampled_tokens_or_refuses(
+    family_dir: tuple[str, Path],
+) -> None:
+    from lockgate.trainer.sft.data import end_of_turn_id, load_tokenizer, render_with_mask
+
+    name, model_dir = family_dir
+    tok = load_tokenizer(model_dir)
+    messages = TOOL_CONVERSATION[:5]
+    if name in SFT_REFUSES:
+        with pytest.raises(ValueError, match=SFT_REFUSES[name]):
+            render_with_mask(tok, messages, OPENAI_TOOLS, end_of_turn_id(tok, None))
+        return
+    ids, mask = render_with_mask(tok, messages, OPENAI_TOOLS, end_of_turn_id(tok, None))
+    if name == GENERIC:  # no renderer of its own: the template is the format
+        assert sum(mask) > 0
+        return
+    rendered = renderers.create_renderer(tok, renderers.config_from_name(name)).render(
+        messages, tools=OPENAI_TOOLS
+    )
+    assert rendered.token_ids == ids
+    assert [int(s) for s in rendered.sampled_mask] == mask
