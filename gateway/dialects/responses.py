@@ -121,7 +121,7 @@ def read_request(raw: dict[str, Any], max_items: int, max_tools: int) -> Respons
         if isinstance(value, list) and len(value) > limit:
             raise bad_request(f"{field}: at most {limit} items, got {len(value)}", param=field)
     try:
-        return ResponsesRequest.model_validate(raw)
+        return ResponsesRequest.model_validate({k: v for k, v in raw.items() if k not in _REFUSED})
     except ValidationError as exc:
         raise _invalid(exc) from exc
 
@@ -133,6 +133,12 @@ def _invalid(exc: ValidationError) -> GatewayError:
         return bad_request(f"unsupported parameter '{where}'", param=where)
     if where.startswith("include"):
         return bad_request("include: no extra output data can be included", param="include")
+    if where.startswith("tool_choice"):
+        return bad_request(
+            "tool_choice: 'auto', 'none', 'required' or {'type': 'function', 'name': ...} (no "
+            "built-in tools)",
+            param="tool_choice",
+        )
     return bad_request(f"{where}: {first['msg']}", param=where or None)
 
 
