@@ -164,8 +164,8 @@ def test_the_gpu_stack_shares_one_gpu_by_default_with_the_placement_split(
         "gateway",
         "trainer",
     }
+    assert {spec["image"] for spec in services.values()} == {"lockgate:gpu"}
     for name in ("replica", "gateway", "trainer"):
-        assert services[name]["image"] == "lockgate:gpu"
         assert services[name]["environment"]["LOCKGATE_MODEL__PATH"] == "/models/m"
     replica, trainer, argv = _gpu_plans(services, 1, monkeypatch)
     assert replica.replica_device == trainer.trainer_device == "cuda"
