@@ -30,6 +30,7 @@ from lockgate.gateway.api.body_limit import BodyLimit
 from lockgate.gateway.api.chat_routes import GatewayAPI
 from lockgate.gateway.api.enrolment_routes import enrolment_routes
 from lockgate.gateway.api.gateway import Gateway
+from lockgate.gateway.api.messages_routes import AnthropicErrors, messages_routes
 from lockgate.gateway.api.responses import error_response, internal_error
 from lockgate.gateway.api.responses_routes import responses_routes
 from lockgate.gateway.config import GatewayConfig
@@ -66,8 +67,10 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     app.add_middleware(MetricsMiddleware, metrics=gateway.metrics)
     # Chat calls are answered before FastAPI's own machinery (chat_routes.py).
     app.answer_chat_calls(gateway)
-    # Outermost: a body over the limit is refused before any route reads it (body_limit.py).
+    # A body over the limit is refused before any route reads it (body_limit.py).
     app.put_in_front(lambda inner: BodyLimit(inner, config.limits, gateway.metrics.error))
+    # Outside that: errors on the Messages API's paths in Anthropic's shape (messages_routes.py).
+    app.put_in_front(AnthropicErrors)
     _answer_errors(app, gateway)
     for routes in (
         agent_routes,
@@ -79,6 +82,7 @@ def create_app(config: GatewayConfig, http: httpx.AsyncClient | None = None) -> 
     ):
         app.include_router(routes(gateway))
     app.include_router(responses_routes(gateway))  # OpenAI's Responses API, over the pipeline
+    app.include_router(messages_routes(gateway))  # Anthropic's Messages API, over the pipeline
     app.include_router(viewer_routes(viewer))
     return app
 

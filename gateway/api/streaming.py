@@ -16,8 +16,11 @@ finish). So the concatenated deltas are the non-streamed content, token for toke
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from lockgate.gateway.calls.pipeline import CallPipeline, ChatCall
 from lockgate.gateway.calls.rendering import ChatRenderer, ParsedCompletion, token_array
@@ -126,3 +129,55 @@ class DeltaTracker:
         elif reasoning:
             log.warning("streamed reasoning diverged from the parse; holding the rest back")
         return delta
+
+
+class DeltaStream:
+    """A streamed call's deltas as its tokens arrive (one per burst of upstream chunks, as
+    `CallGenerator.run` gives them), then its answer, parsed and recorded (`message`). A failure
+    keeps the tokens on record (`record_unfinished`) and is raised for the answer's own
+    error event."""
+
+    def __init__(
+        self,
+        calls: CallPipeline,
+        call: ChatCall,
+        started: tuple[AsyncIterator[int], bool],
+        tracker: DeltaTracker,
+    ) -> None:
+        self.calls, self.call, self.tracker = calls, call, tracker
+        self.chunks, self.primed = started  # what `start_stream` gave
+        self.message: AssistantMessage | None = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The deltas; the first (perhaps empty) at once for the tokens already in."""
+        s = self.call.generator.sampled
+        try:
+            yield self.tracker.update(s.token_ids) if self.primed else Delta()
+            async for _ in self.chunks:
+                if d := self.tracker.update(s.token_ids):
+                    yield d
+            self.message = self.calls.parse(self.call, self.tracker.final(s.token_ids)).message
+            await self.calls.record(self.call)
+        except GatewayError:
+            await self.chunks.aclose()
+            await self.calls.record_unfinished(self.call)
+            raise
+        finally:
+            await self.chunks.aclose()
+
+
+class ReleasingStream(StreamingResponse):
+    """An SSE answer that gives the session's admission slot back when it ends, however it
+    ends, and closes its events (so a client that left stops its call's generation)."""
+
+    def __init__(self, events: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+            self._release()

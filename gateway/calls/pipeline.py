@@ -134,19 +134,7 @@ class CallPipeline:
         """A chat call from its parsed body. The other front ends (Responses, Messages)
         translate their bodies into a chat-completions body and enter here, so that every
         API shares one pipeline and its records bridge across turns alike."""
-        if session.status != "open":
-            raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
-        check_chat_body(raw, self.config.limits)
-        req = validate(ChatCompletionRequest, raw)
-        _refuse_unsupported(req)
-        check_chat_request(req, self.config.max_model_len)
-        chars = chat_prompt_chars(req, raw)
-        check_prompt_chars(chars, self.config, "messages")
-
-        previous = await self.last_turn_of(session.id)
-        prompt = await self.off_loop_if_large(
-            chars, functools.partial(self.renderer.render_prompt, req.messages, req.tools, previous)
-        )
+        req, prompt = await self.render_chat_raw(session, raw)
         room = self.config.max_model_len - len(prompt.prompt_ids)
         if room < 1:
             raise bad_request(
@@ -169,6 +157,27 @@ class CallPipeline:
             sampling["structured_outputs"] = constraint
         call = self.new_call(session, raw, prompt, sampling, req.stop)
         return ChatCall(**call.__dict__, req=req)
+
+    async def render_chat_raw(
+        self, session: SessionRow, raw: dict[str, Any]
+    ) -> tuple[ChatCompletionRequest, RenderedPrompt]:
+        """A chat body checked, validated and rendered to its prompt (bridging the previous
+        call's exact tokens where it can), with no call made yet: how a call starts, and what
+        a token count (the Messages API's count_tokens) measures."""
+        if session.status != "open":
+            raise conflict(f"session '{session.id}' is {session.status}; it takes no more calls")
+        check_chat_body(raw, self.config.limits)
+        req = validate(ChatCompletionRequest, raw)
+        _refuse_unsupported(req)
+        check_chat_request(req, self.config.max_model_len)
+        chars = chat_prompt_chars(req, raw)
+        check_prompt_chars(chars, self.config, "messages")
+
+        previous = await self.last_turn_of(session.id)
+        prompt = await self.off_loop_if_large(
+            chars, functools.partial(self.renderer.render_prompt, req.messages, req.tools, previous)
+        )
+        return req, prompt
 
     def new_call(
         self,
