@@ -11,6 +11,10 @@ update's parse is the final message when no tool call was held back (`DeltaTrack
 could still change is held back: trailing whitespace (the parser strips it), an incomplete UTF-8
 character at the end, and anything from a tool-call opener on (tool calls go out whole, with the
 finish). So the concatenated deltas are the non-streamed content, token for token.
+
+The other APIs' streams (the dialects' routes) share the rest: `start_stream` starts a call's
+generation, `DeltaStream` gives its deltas then its recorded answer, and `ReleasingStream`
+sends the events and gives the session's admission slot back when the stream ends.
 """
 
 from __future__ import annotations
