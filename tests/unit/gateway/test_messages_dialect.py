@@ -640,3 +640,51 @@ async def test_the_sdk_raises_its_own_error_types(gw: _Gateway) -> None:
         await gw.sdk("sk-wrong").messages.create(
             model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}]
         )
+
+
+async def test_a_tool_result_turn_extends_the_tool_use_turns_exact_tokens(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    completion = tok.encode(call, add_special_tokens=False) + [
+        tok.convert_tokens_to_ids("<|im_end|>")
+    ]
+    replica = FakeReplica(completion)
+    async with serve_gateway(tiny_model_dir, tmp_path, {REPLICA: replica}) as (client, app):
+        gw = _Gateway(client, replica, app)
+        s = await gw.session()
+        sdk = gw.sdk(s["api_key"])
+        messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = await sdk.messages.create(
+            model="m", max_tokens=64, tools=[TOOL], tool_choice={"type": "any"}, messages=messages
+        )
+        assert first.stop_reason == "tool_use"
+        (use,) = first.content
+        assert (
+            use.type == "tool_use"
+            and use.id.startswith("toolu_")
+            and use.input == {"city": "Paris"}
+        )
+        messages.append({"role": "assistant", "content": first.content})  # the SDK's objects
+        messages.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}],
+            }
+        )
+        async with sdk.messages.stream(
+            model="m", max_tokens=64, tools=[TOOL], messages=messages
+        ) as stream:
+            second = await stream.get_final_message()
+        assert second.stop_reason == "tool_use"
+        c0, c1 = await gw.calls(s["session_id"])
+        assert c1["extends_previous"]
+        assert c1["prompt_ids"][: len(c0["prompt_ids"]) + len(c0["completion_ids"])] == (
+            c0["prompt_ids"] + c0["completion_ids"]
+        )
+        assert c1["request"]["messages"][-1] == {
+            "role": "tool",
+            "tool_call_id": use.id,
+            "content": "21 C",
+        }
