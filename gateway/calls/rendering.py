@@ -182,8 +182,11 @@ class ChatRenderer:
         # deltas concatenate to this answer (they lost its leading newline and, diverging,
         # the rest: found by property tests, issue 18). The tokens are recorded as sampled.
         reasoning = (parsed.reasoning_content or "").strip()
+        # Leading whitespace is the format's separator after its reasoning block (GLM's "\n"),
+        # which Qwen3's parser already drops and a stream never sends: dropped for every format.
+        content = (parsed.content or "").lstrip()
         message = AssistantMessage(
-            content=parsed.content or (None if calls else ""),
+            content=content or (None if calls else ""),
             reasoning_content=reasoning or None,
             tool_calls=calls or None,
         )
