@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from lockgate.gateway.calls.chat_format import GENERIC, bridges_turns
 from lockgate.gateway.calls.tokenizer import fast_tokenizer
+from lockgate.gateway.errors import bad_request
 from lockgate.gateway.schema import AssistantMessage, ChatMessage, FunctionCall, ToolCall, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -152,9 +153,17 @@ class ChatRenderer:
                 )
                 if bridged is not None:
                     return RenderedPrompt(token_array(bridged.token_ids), extends_previous=True)
-        ids = self._renderer.render_ids(
-            [_to_renderer_message(m) for m in messages], tools=spec, add_generation_prompt=True
-        )
+        try:
+            ids = self._renderer.render_ids(
+                [_to_renderer_message(m) for m in messages], tools=spec, add_generation_prompt=True
+            )
+        except ValueError as exc:
+            # What the format cannot write (Llama 3: one tool call per assistant turn) is the
+            # agent's request to change, not a fault of the gateway.
+            raise bad_request(
+                f"the '{self.format}' chat format cannot render these messages: {exc}",
+                param="messages",
+            ) from None
         return RenderedPrompt(token_array(ids), extends_previous=False)
 
     def parse_completion(

@@ -210,3 +210,33 @@ def test_each_formats_tool_call_parses_and_the_tool_turn_bridges_onto_its_tokens
             *prompt.tolist(),
             *completion,
         ]
+
+
+def test_messages_a_format_cannot_write_are_a_400_naming_it() -> None:
+    from lockgate.gateway.errors import GatewayError
+    from lockgate.gateway.schema import ChatMessage
+    from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
+
+    renderer = ChatRenderer(ensure_tiny_model(spec=family_spec("llama-3")), "llama-3")
+    call = {"type": "function", "function": {"name": "add", "arguments": "{}"}}
+    two_calls = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {**call, "id": "c1"},
+            {**call, "id": "c2"},
+        ],
+    }
+    messages = [
+        ChatMessage.model_validate(m)
+        for m in (
+            {"role": "user", "content": "hi"},
+            two_calls,
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        )
+    ]
+    with pytest.raises(GatewayError) as caught:
+        renderer.render_prompt(messages, None, None)
+    assert caught.value.status_code == 400
+    assert "'llama-3' chat format cannot render these messages" in str(caught.value)
