@@ -288,7 +288,12 @@ class LoopSection(BaseModel):
     min_group_size: int = Field(
         default=2, ge=1, description="Fewer usable rollouts drops the group."
     )
-    rollout_timeout_s: float = Field(default=300.0, gt=0, description="Per-rollout time limit.")
+    rollout_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Per-rollout time limit. With rollouts: client, a group's: one still "
+        "incomplete this long after its first session is closed and its open sessions failed.",
+    )
     val_every: int = Field(
         default=0,
         ge=0,

@@ -165,14 +165,21 @@ class GatewayClient:
     # -- client-driven rollouts (the enrolment) -------------------------------------------------
 
     async def open_enrolment(
-        self, key: str, group_size: int, groups_admitted: int, retry_after_s: float = 2.0
+        self,
+        key: str,
+        group_size: int,
+        groups_admitted: int,
+        retry_after_s: float = 2.0,
+        timeout_s: float | None = None,
     ) -> None:
-        """Let clients with `key` create sessions in groups of `group_size` (counts restart)."""
+        """Let clients with `key` create sessions in groups of `group_size` (counts restart);
+        a group still incomplete `timeout_s` after its first session is closed."""
         body = {
             "key": key,
             "group_size": group_size,
             "groups_admitted": groups_admitted,
             "retry_after_s": retry_after_s,
+            "timeout_s": timeout_s,
         }
         await self._request("PUT", "/admin/enrolment", body)
 

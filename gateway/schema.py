@@ -498,6 +498,12 @@ class OpenEnrolment(BaseModel):
     retry_after_s: float = Field(
         default=2.0, gt=0, le=3600, description="The Retry-After of a refused new group."
     )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="A group still incomplete this long after its first session is closed, its "
+        "open sessions failed; None: no limit.",
+    )
 
 
 class AdmitGroups(BaseModel):

@@ -338,7 +338,9 @@ async def _run_loop(
             validation = Validation(val_client, val_tasks)
         source = None
         if config.loop.rollouts == "client":
-            source, enrolment = enrol_clients(client, run_dir, config.loop.group_size)
+            source, enrolment = enrol_clients(
+                client, run_dir, config.loop.group_size, config.loop.rollout_timeout_s
+            )
             _say(
                 f"client-driven rollouts: enrol sessions at {enrolment.url}/v1/sessions with "
                 f"the key {enrolment.key} (also in {RunDir(run_dir).enrolment}), groups of "

@@ -4,7 +4,9 @@ The loop dispatches nothing. At the start it opens the gateway's enrolment with 
 (the key creates sessions and nothing else; gateway/api/enrolment.py), and clients holding it
 create sessions with a task id and a group, run any agent against each session's base URL and
 key, and finish them with a reward. The gateway groups the sessions; this source collects each
-group once all `group_size` of its sessions have ended and hands it to the loop, which trains
+group once all `group_size` of its sessions have ended (or, for a group still incomplete
+`loop.rollout_timeout_s` after its first session, the members it has, its open sessions
+failed) and hands it to the loop, which trains
 on it exactly as on a group of its own dispatch: the same bound at consumption
 (`rollouts_stale`), advantages, metrics, syncs and checkpoints.
 
@@ -85,6 +87,7 @@ class ClientSource:
         key: str,
         group_size: int,
         *,
+        timeout_s: float | None = None,
         wait_s: float = COLLECT_WAIT_S,
         retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
@@ -93,6 +96,7 @@ class ClientSource:
         self.group_size = group_size
         self.wait_s = wait_s
         self.retry_after_s = retry_after_s
+        self.timeout_s = timeout_s
         self._admitted = 0
 
     @staticmethod
@@ -103,7 +107,7 @@ class ClientSource:
     async def run(self, sink: GroupSink) -> None:
         self._admitted = self.admitted(sink)
         await self.gateway.open_enrolment(
-            self.key, self.group_size, self._admitted, self.retry_after_s
+            self.key, self.group_size, self._admitted, self.retry_after_s, self.timeout_s
         )
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._admit(sink), name="enrolment-admit")
@@ -137,10 +141,11 @@ class ClientSource:
 
 
 def enrol_clients(
-    gateway: GatewayClient, run_dir: Path, group_size: int
+    gateway: GatewayClient, run_dir: Path, group_size: int, timeout_s: float | None = None
 ) -> tuple[ClientSource, EnrolmentFile]:
     """A fresh enrolment key, written to the run dir for clients, and the source that opens
-    the enrolment with it when the loop starts."""
+    the enrolment with it when the loop starts (groups incomplete after `timeout_s` closed)."""
     enrolment = EnrolmentFile(url=gateway.base_url, key=new_enrolment_key(), group_size=group_size)
     write_enrolment_file(RunDir(run_dir).enrolment, enrolment)
-    return ClientSource(gateway, enrolment.key, group_size), enrolment
+    source = ClientSource(gateway, enrolment.key, group_size, timeout_s=timeout_s)
+    return source, enrolment

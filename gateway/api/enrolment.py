@@ -10,13 +10,21 @@ decides how many groups may have started (`groups_admitted`, raised after every 
 whenever a group is dropped), and a session that would start a group past it is refused with
 a 429 and `Retry-After`. Joining a group that already started is always admitted: its slot is
 taken. The gateway only counts; the rule stays the coordinator's.
+
+A client that dies must not hold its group, and with it a slot, forever: a group still
+incomplete `timeout_s` after its first session is closed (no session joins it any more), its
+sessions still open are failed by the caller of `expired` (the routes, each time the
+coordinator collects), and it completes with the members it has; the loop's `min_group_size`
+decides whether it is trained on. A group id that completed is never opened again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lockgate.gateway.api.session_keys import key_digest
@@ -41,9 +49,16 @@ def groups_full(message: str, retry_after_s: float) -> RetryLater:
 class _Group:
     task_id: str
     version: int
+    started_at: float
     sessions: list[str] = field(default_factory=list)
     ended: set[str] = field(default_factory=set)
     reserved: int = 0  # admitted, session not created yet
+    expired: bool = False  # past its time limit: closed to new sessions
+
+    def done(self, group_size: int) -> bool:
+        """Every member ended: all `group_size` of them, or the ones it had when it expired."""
+        full = len(self.sessions) == group_size or (self.expired and not self.reserved)
+        return full and len(self.ended) == len(self.sessions)
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,9 @@ class Admission:
 
 
 class Enrolment:
-    def __init__(self, body: OpenEnrolment) -> None:
+    def __init__(self, body: OpenEnrolment, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.timeout_s = body.timeout_s
         self.key_digest = key_digest(body.key)
         self.group_size = body.group_size
         self.groups_admitted = body.groups_admitted
@@ -65,6 +82,7 @@ class Enrolment:
         self._groups: dict[str, _Group] = {}
         self._of_session: dict[str, str] = {}
         self._complete: list[CompleteGroup] = []
+        self._closed: set[str] = set()  # completed group ids
         self._completed = asyncio.Event()
 
     def is_key(self, key: str | None) -> bool:
@@ -77,6 +95,8 @@ class Enrolment:
         if group_id is None:
             group_id = self._open_group_of(task_id) or f"{task_id}-{uuid.uuid4().hex[:12]}"
         group = self._groups.get(group_id)
+        if group_id in self._closed or (group is not None and group.expired):
+            raise conflict(f"group '{group_id}' is closed: it completed or timed out")
         if group is None:
             if self.groups_started >= self.groups_admitted:
                 raise groups_full(
@@ -85,7 +105,7 @@ class Enrolment:
                     f"retry after {self.retry_after_s:g} s",
                     self.retry_after_s,
                 )
-            group = self._groups[group_id] = _Group(task_id, version)
+            group = self._groups[group_id] = _Group(task_id, version, self.clock())
             self.groups_started += 1
         elif group.task_id != task_id:
             raise conflict(f"group '{group_id}' is of task '{group.task_id}', not '{task_id}'")
@@ -104,15 +124,32 @@ class Enrolment:
     def give_back(self, admission: Admission) -> None:
         """The session of `admission` could not be created: its place is free again."""
         self._groups[admission.group_id].reserved -= 1
+        self._maybe_complete(admission.group_id)
 
     def ended(self, session_id: str) -> None:
         """A session finished or failed; its group completes with the last of its members."""
         group_id = self._of_session.get(session_id)
         if group_id is None:
             return  # not an enrolled session (one the admin API or `session new` made)
-        group = self._groups[group_id]
-        group.ended.add(session_id)
-        if len(group.ended) == len(group.sessions) == self.group_size:
+        self._groups[group_id].ended.add(session_id)
+        self._maybe_complete(group_id)
+
+    def expired(self) -> list[str]:
+        """Close the groups past their time limit; their sessions still open, for the caller to
+        fail (each then ends here like any other)."""
+        if self.timeout_s is None:
+            return []
+        now, open_sessions = self.clock(), []
+        for group_id, group in list(self._groups.items()):
+            if group.started_at + self.timeout_s <= now:
+                group.expired = True
+                open_sessions += [s for s in group.sessions if s not in group.ended]
+                self._maybe_complete(group_id)
+        return open_sessions
+
+    def _maybe_complete(self, group_id: str) -> None:
+        group = self._groups.get(group_id)
+        if group is not None and group.done(self.group_size):
             self._complete.append(
                 CompleteGroup(
                     seq=len(self._complete) + 1,
@@ -123,6 +160,7 @@ class Enrolment:
                 )
             )
             del self._groups[group_id]
+            self._closed.add(group_id)
             self._completed.set()
 
     def complete_after(self, seq: int) -> list[CompleteGroup]:
@@ -153,6 +191,7 @@ class Enrolment:
 
     def _open_group_of(self, task_id: str) -> str | None:
         for group_id, group in self._groups.items():
-            if group.task_id == task_id and len(group.sessions) + group.reserved < self.group_size:
+            room = len(group.sessions) + group.reserved < self.group_size
+            if group.task_id == task_id and room and not group.expired:
                 return group_id
         return None

@@ -8,7 +8,7 @@ only, and the session-key routes look up session keys only.
 The coordinator, with the admin token: `PUT /admin/enrolment` opens it, `POST
 /admin/enrolment/admitted` raises the number of groups that may have started, `GET
 /admin/enrolment/groups?after=SEQ&wait_s=S` answers the groups completed since SEQ, waiting up
-to S seconds for one.
+to S seconds for one; groups past their time limit are closed then (enrolment.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from lockgate.gateway.schema import (
     CreateSession,
     EnrolledSession,
     EnrolmentInfo,
+    FinishSession,
     OpenEnrolment,
 )
 
@@ -67,6 +68,13 @@ def _retry_later(exc: RetryLater) -> Response:
 
 def enrolment_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
+    _client_routes(router, gateway)
+    _admin_routes(router, gateway)
+    return router
+
+
+def _client_routes(router: APIRouter, gateway: Gateway) -> None:
+    """The enrolment key's routes."""
 
     @router.post("/v1/sessions")
     async def enrol_session(request: Request) -> Response:
@@ -109,6 +117,10 @@ def enrolment_routes(gateway: Gateway) -> APIRouter:
         )
         return json_response(info)
 
+
+def _admin_routes(router: APIRouter, gateway: Gateway) -> None:
+    """The coordinator's routes."""
+
     @router.put("/admin/enrolment")
     async def open_enrolment(request: Request) -> Response:
         require_admin(gateway, request)
@@ -138,10 +150,14 @@ def enrolment_routes(gateway: Gateway) -> APIRouter:
             wait = math.nan
         if not math.isfinite(wait):
             raise bad_request("'after' is an integer and 'wait_s' a number of seconds")
+        for session_id in enrolment.expired():
+            failed = FinishSession(
+                status="failed",
+                error=f"timeout: its group was incomplete after {enrolment.timeout_s:g} s",
+            )
+            await gateway.finish_session(session_id, failed)
         groups = await enrolment.wait_complete_after(seq, min(max(wait, 0.0), _MAX_WAIT_S))
         return json_response(CompleteGroups(groups=groups, groups_started=enrolment.groups_started))
-
-    return router
 
 
 def _admin_enrolment(gateway: Gateway, request: Request) -> Enrolment:

@@ -5,6 +5,7 @@ tests/vllm/test_client_driven.py runs the same routes under a real training run.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from lockgate.gateway.api.enrolment import Enrolment
 from lockgate.gateway.api.session_keys import new_enrolment_key
+from lockgate.gateway.errors import GatewayError
+from lockgate.gateway.schema import OpenEnrolment
 from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, serve_gateway
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -170,3 +174,44 @@ async def test_without_an_open_enrolment_or_with_a_wrong_key_no_session_is_made(
     assert r.status_code == 400  # task_id is required
     r = await enrolled.client.get("/admin/enrolment/groups?after=x&wait_s=1", headers=ADMIN_HEADERS)
     assert r.status_code == 400
+
+
+def test_a_group_past_its_time_limit_closes_and_completes_with_the_members_it_has() -> None:
+    now = [100.0]
+    body = OpenEnrolment(key=new_enrolment_key(), group_size=3, groups_admitted=2, timeout_s=30.0)
+    enrolment = Enrolment(body, clock=lambda: now[0])
+    for sid in ("s1", "s2"):
+        enrolment.created(enrolment.admit("t", "g", version=0), sid)
+    enrolment.ended("s1")
+    now[0] += 29.0
+    assert enrolment.expired() == [] and enrolment.complete_after(0) == []
+    now[0] += 1.0
+    assert enrolment.expired() == ["s2"]  # for the caller to fail
+    with pytest.raises(GatewayError) as closed:
+        enrolment.admit("t", "g", version=0)
+    assert closed.value.status_code == 409
+    assert enrolment.admit("t", None, version=0).group_id != "g"  # not the closed group
+    enrolment.ended("s2")
+    (group,) = enrolment.complete_after(0)
+    assert (group.group_id, group.sessions) == ("g", ["s1", "s2"])
+    with pytest.raises(GatewayError):  # a completed id is never opened again
+        enrolment.admit("t", "g", version=0)
+
+
+async def test_collecting_fails_the_open_sessions_of_a_group_past_its_time_limit(
+    enrolled: Enrolled,
+) -> None:
+    body = {"key": enrolled.key, "group_size": 2, "groups_admitted": 1, "timeout_s": 0.2}
+    assert (
+        await enrolled.client.put("/admin/enrolment", json=body, headers=ADMIN_HEADERS)
+    ).is_success
+    created = (await enrolled.new("t", "g")).json()
+    assert (await enrolled.groups())["groups"] == []
+    await asyncio.sleep(0.3)  # the client died: nobody finishes its session
+    (group,) = (await enrolled.groups())["groups"]
+    assert group["sessions"] == [created["session_id"]]
+    info = await enrolled.client.get(
+        f"/admin/sessions/{created['session_id']}", headers=ADMIN_HEADERS
+    )
+    assert info.json()["status"] == "failed" and info.json()["error"].startswith("timeout")
+    assert (await enrolled.finish(created, 1.0)).status_code == 409  # too late
