@@ -70,6 +70,7 @@ from lockgate.gateway.calls.bodies import MAX_JSON_DEPTH
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.records.codecs import CALL_COLUMNS, call_from_row
 from lockgate.gateway.schema import ChatCompletionRequest, CompletionRequest
+from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
 from tests.support.chat_strategies import chat_bodies, completion_bodies
 from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, sse_chunks
 from tests.support.gateway_openapi import (
@@ -194,7 +195,7 @@ def _serve(model_dir: Path, db_path: Path, **config: Any) -> Iterator[Served]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    end = [tok.convert_tokens_to_ids("<|im_end|>")]
+    end = [tok.convert_tokens_to_ids(tok.eos_token)]  # what ends a turn in the model's format
     texts = [
         "hello there",
         '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
@@ -237,12 +238,15 @@ def _serve(model_dir: Path, db_path: Path, **config: Any) -> Iterator[Served]:
         asyncio.run(upstream.aclose())
 
 
-@pytest.fixture(scope="module")
+# Every route fuzzed in three chat formats (issue 42), each on its tiny model: the answers and
+# errors must not depend on which format the model speaks.
+@pytest.fixture(scope="module", params=["qwen3", "deepseek-r1", "glm-4.5"])
 def served(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Served]:
+    model_dir = ensure_tiny_model(spec=family_spec(request.param))
     db_path = tmp_path_factory.mktemp("fuzz") / "store.sqlite"
-    with _serve(tiny_model_dir, db_path, max_pause_wait_s=2.0) as s:
+    with _serve(model_dir, db_path, max_pause_wait_s=2.0, renderer=request.param) as s:
         yield s
     _report(request.config, s.tally)
 
