@@ -25,6 +25,7 @@ from lockgate.gateway.api.responses import json_response
 from lockgate.gateway.api.streaming import DeltaTracker, start_stream
 from lockgate.gateway.calls.bodies import parse_json
 from lockgate.gateway.calls.pipeline import ChatCall
+from lockgate.gateway.calls.stops import as_list
 from lockgate.gateway.dialects.responses import (
     chat_body,
     check_continuable,
@@ -122,7 +123,9 @@ class ResponsesAnswers:
         self, call: ChatCall, shell: dict[str, Any], chunks: AsyncIterator[int], primed: bool
     ) -> AsyncIterator[bytes]:
         events = ResponseEvents(shell)
-        tracker = DeltaTracker(self.renderer, call.prompt.prompt_ids, call.req.tools)
+        tracker = DeltaTracker(
+            self.renderer, call.prompt.prompt_ids, call.req.tools, as_list(call.req.stop)
+        )
         s = call.generator.sampled
         try:
             head = events.start()

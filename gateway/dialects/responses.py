@@ -16,9 +16,10 @@ capability on the session-path routes). A `previous_response_id` is resolved aga
 record of that call in the caller's own session; an id of another session, one never
 answered, or one of a call made with `store: false` cannot be continued (404).
 
-Anything this API offers that the gateway cannot honour (built-in tools, background
-responses, images and files, structured output formats, automatic truncation, includes) is a
-400 naming the field, never ignored.
+Two extensions, which vLLM's own Responses server also takes: `stop` strings (watched as for
+chat) and `seed`. Anything this API offers that the gateway cannot honour (built-in tools,
+background responses, images and files, structured output formats, automatic truncation,
+includes) is a 400 naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None
     text: TextConfig | None = None
     include: list[str] | None = Field(default=None, max_length=0)
+    # Extensions, as vLLM's own Responses server takes them: chat's `stop` and `seed`.
+    stop: str | list[str] | None = None
+    seed: int | None = None
 
 
 def read_request(raw: dict[str, Any], max_items: int, max_tools: int) -> ResponsesRequest:
@@ -190,6 +194,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
         "store": req.store,
         "metadata": req.metadata,
         "user": req.user,
+        "stop": req.stop,
+        "seed": req.seed,
     }
     body.update({k: v for k, v in same.items() if v is not None})
     return body

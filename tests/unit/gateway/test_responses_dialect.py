@@ -151,6 +151,11 @@ def test_tools_and_tool_choice_become_the_chat_ones() -> None:
     assert (chat["parallel_tool_calls"], chat["store"], chat["user"], chat["metadata"]) == (False, False, "u", {"k": "v"})  # fmt: skip
 
 
+def test_stop_and_seed_are_taken_as_vllms_responses_server_takes_them() -> None:
+    chat = _chat(input="x", stop=[".", "?"], seed=7)
+    assert (chat["stop"], chat["seed"]) == ([".", "?"], 7)
+
+
 def test_harmless_defaults_are_accepted() -> None:
     chat = _chat(
         input="x",
@@ -467,6 +472,17 @@ async def test_streamed_and_plain_answers_of_the_same_tokens_are_the_same_respon
         item.pop("parsed_arguments", None)  # what the SDK's stream helper adds to a call
     assert parsed == json.loads(plain.model_dump_json(include=keep))
     assert [o.type for o in plain.output] == ["reasoning", "function_call"]
+
+
+async def test_a_stop_string_ends_the_text_streamed_or_not(gw: _Gateway) -> None:
+    gw.answer("It is sunny. It rains.")
+    s = await gw.session()
+    sdk = gw.sdk(s["base_url"])
+    plain = await sdk.responses.create(model="m", input="Weather?", extra_body={"stop": ["."]})
+    events = [e async for e in await sdk.responses.create(model="m", input="Weather?", stream=True, extra_body={"stop": ["."]})]  # fmt: skip
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert plain.output_text == deltas == events[-1].response.output_text == "It is sunny"
+    assert plain.status == "completed"
 
 
 async def test_previous_response_id_continues_the_exact_tokens_unless_store_was_false(
