@@ -17,12 +17,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from lockgate.gateway.api.gateway import Gateway
 from lockgate.gateway.api.responses import json_response
-from lockgate.gateway.api.streaming import DeltaTracker, start_stream
+from lockgate.gateway.api.streaming import (
+    DeltaStream,
+    DeltaTracker,
+    ReleasingStream,
+    start_stream,
+)
 from lockgate.gateway.calls.bodies import parse_json
 from lockgate.gateway.calls.pipeline import ChatCall
 from lockgate.gateway.calls.stops import as_list
@@ -116,56 +120,26 @@ class ResponsesAnswers:
         )
 
     async def _stream(self, call: ChatCall, shell: dict[str, Any], release: Release) -> Response:
-        chunks, primed = await start_stream(self.calls, call)
-        return _EventStream(self._events(call, shell, chunks, primed), release)
-
-    async def _events(
-        self, call: ChatCall, shell: dict[str, Any], chunks: AsyncIterator[int], primed: bool
-    ) -> AsyncIterator[bytes]:
-        events = ResponseEvents(shell)
+        started = await start_stream(self.calls, call)
         tracker = DeltaTracker(
             self.renderer, call.prompt.prompt_ids, call.req.tools, as_list(call.req.stop)
         )
-        s = call.generator.sampled
+        stream = DeltaStream(self.calls, call, started, tracker)
+        return ReleasingStream(self._events(stream, shell), release)
+
+    async def _events(self, stream: DeltaStream, shell: dict[str, Any]) -> AsyncIterator[bytes]:
+        events = ResponseEvents(shell)
+        head = events.start()  # goes out with what the first tokens say
         try:
-            head = events.start()
-            if primed:
-                d = tracker.update(s.token_ids)
-                head += events.delta(d.reasoning, d.content)
-            yield head
-            # One step per burst of upstream chunks, as the chat stream takes them.
-            async for _ in chunks:
-                d = tracker.update(s.token_ids)
-                if d:
-                    yield events.delta(d.reasoning, d.content)
-            message = self.calls.parse(call, tracker.final(s.token_ids)).message
-            await self.calls.record(call)
+            async for d in stream.deltas():
+                yield head + events.delta(d.reasoning, d.content)
+                head = b""
         except GatewayError as exc:
             self.gateway.metrics.error(exc)
-            await chunks.aclose()
-            await self.calls.record_unfinished(call)
-            yield events.failed(exc)
+            yield head + events.failed(exc)
             return
-        finally:
-            await chunks.aclose()
-        yield events.finish(self._finished(call, shell, message))
-
-
-class _EventStream(StreamingResponse):
-    """An SSE answer that gives the session's admission slot back when it ends, however it
-    ends, and closes its events (so a client that left stops its call's generation)."""
-
-    def __init__(self, events: AsyncIterator[bytes], release: Release) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self._events = events
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()  # type: ignore[attr-defined]
-            self._release()
+        assert stream.message is not None
+        yield events.finish(self._finished(stream.call, shell, stream.message))
 
 
 def responses_routes(gateway: Gateway) -> APIRouter:
