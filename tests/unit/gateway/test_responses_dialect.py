@@ -509,7 +509,10 @@ async def test_previous_response_id_continues_the_exact_tokens_unless_store_was_
     assert len(await gw.calls(s["session_id"])) == 2  # refused calls are not made
 
 
-async def test_the_agents_sdk_default_model_runs_a_tool_turn_and_its_answer(gw: _Gateway) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+async def test_the_agents_sdk_default_model_runs_a_tool_turn_and_its_answer(
+    gw: _Gateway, streamed: bool
+) -> None:
     gw.answer(_CALL)
     s = await gw.session()
     agent = Agent(
@@ -529,11 +532,17 @@ async def test_the_agents_sdk_default_model_runs_a_tool_turn_and_its_answer(gw: 
         return response
 
     gw.replica.handler = handler  # type: ignore[method-assign]
-    result = await Runner.run(agent, "Weather in Paris?", max_turns=3)
-    assert result.final_output == "Sunny in Paris."
+    if streamed:
+        run = Runner.run_streamed(agent, "Weather in Paris?", max_turns=3)
+        kinds = {e.type async for e in run.stream_events()}
+        assert "raw_response_event" in kinds
+        final = run.final_output
+    else:
+        final = (await Runner.run(agent, "Weather in Paris?", max_turns=3)).final_output
+    assert final == "Sunny in Paris."
     first, second = await gw.calls(s["session_id"])
     assert first["constrained"] and not second["constrained"]
-    assert second["extends_previous"]
+    assert second["extends_previous"] and second["request"]["stream"] is streamed
     samples = (await gw.client.get(f"/admin/sessions/{s['session_id']}/samples", headers=_ADMIN)).json()  # fmt: skip
     assert samples["splits"] == 0 and len(samples["samples"]) == 1
 
