@@ -374,6 +374,8 @@ def _model_config(arch: Architecture, shape: dict[str, Any], **tokens: Any) -> A
     common = {"rope_parameters": rope, "use_cache": True, "attention_bias": False, **tokens}
     if arch == "llama":
         config = LlamaConfig(mlp_bias=False, **common, **shape)
+    elif arch == "gemma3":
+        config = _gemma3_config(common, shape)
     elif arch == "qwen2":
         config = Qwen2Config(use_sliding_window=False, **common, **shape)
     else:
@@ -383,7 +385,24 @@ def _model_config(arch: Architecture, shape: dict[str, Any], **tokens: Any) -> A
     return config
 
 
+def _gemma3_config(common: dict[str, Any], shape: dict[str, Any]) -> Any:
+    """Gemma 3's text config: a sliding-window layer and a global one, as its real models
+    interleave them; both rope bases from the shape's."""
+    from transformers import Gemma3TextConfig
+
+    rope = common.pop("rope_parameters")
+    common["rope_parameters"] = {"sliding_attention": rope, "full_attention": rope}
+    return Gemma3TextConfig(
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=512,
+        query_pre_attn_scalar=shape["head_dim"],
+        **common,
+        **shape,
+    )
+
+
 _ARCHITECTURE_CLASSES: Final[dict[str, str]] = {
+    "gemma3": "Gemma3ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",

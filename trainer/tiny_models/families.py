@@ -16,7 +16,7 @@ from typing import Final, Literal
 
 from lockgate.trainer.tiny_models.qwen3_template import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
 
-Architecture = Literal["qwen3", "qwen2", "llama"]
+Architecture = Literal["qwen3", "qwen2", "llama", "gemma3"]
 
 
 @dataclass(frozen=True)
@@ -276,6 +276,41 @@ GLM45_CHAT_TEMPLATE: Final = r"""{{- '[gMASK]<sop>' -}}
 {%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"""
 
 
+# --- Gemma 3 (its own turn markers; no tool calls, no reasoning): the generic template path ---
+
+_GEMMA3_TOKENS: Final = (
+    ("<pad>", True),
+    ("<eos>", True),
+    ("<bos>", True),
+    ("<unk>", True),
+    ("<mask>", True),
+    ("<start_of_turn>", True),
+    ("<end_of_turn>", True),
+)
+
+# Gemma 3 instruct's template: a system message is folded into the first user turn, the
+# assistant is "model", and turns must alternate. No `renderers` format is Gemma 3's (Gemma 4's
+# is), so the gateway serves it through this template.
+GEMMA3_CHAT_TEMPLATE: Final = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
+
+
 # --- The generic path: a ChatML template with Hermes tool calls and no renderer of its own ---
 
 # Qwen2.5-Instruct's shape: tools in the system turn, <tool_call> JSON, no <think>. No
@@ -355,6 +390,17 @@ FAMILIES: Final[dict[str, ChatFamily]] = {
         chat_template=GLM45_CHAT_TEMPLATE,
         note="GLM-4.5 (<arg_key>/<arg_value> tool calls, <think>): LlamaForCausalLM in "
         "place of its MoE Glm4MoeForCausalLM",
+    ),
+    "gemma3": ChatFamily(
+        format="default",
+        architecture="gemma3",
+        added_tokens=_GEMMA3_TOKENS,
+        eos="<end_of_turn>",
+        pad="<pad>",
+        bos="<bos>",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        note="Gemma 3 (no tool calls, no reasoning), served through its template: "
+        "Gemma3ForCausalLM",
     ),
     "default": ChatFamily(
         format="default",
