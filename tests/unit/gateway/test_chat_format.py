@@ -37,6 +37,8 @@ REAL_MODELS = {
     "gemma-4-e2b-it": "gemma4",
     # Qwen2.5 writes Hermes tool calls and no <think>: no renderer of its own, so its template.
     "qwen2.5-7b-instruct": GENERIC,
+    # Gemma 3's turn markers are no `renderers` format (Gemma 4's are): its own template serves.
+    "gemma-3-1b-it": GENERIC,
 }
 
 
