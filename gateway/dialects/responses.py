@@ -173,7 +173,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
     items: list[Any] = (
         [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input or []
     )
-    messages += input_messages(items)
+    called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+    messages += input_messages(items, called)
     if not messages or (not items and not history):
         raise bad_request("input: the request has no input", param="input")
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
@@ -206,10 +207,12 @@ def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
     return {"type": "function", "function": spec}
 
 
-def input_messages(items: list[Any]) -> list[dict[str, Any]]:
+def input_messages(items: list[Any], called: set[str] | None = None) -> list[dict[str, Any]]:
     """Input items as chat messages: each assistant turn's reasoning, text and function calls
-    joined into one assistant message, each function call output a `tool` message."""
+    joined into one assistant message, each function call output a `tool` message, which must
+    answer a call made before it (in `called`, the history's, or in the items)."""
     turns = _Turns()
+    called = set(called or ())
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -222,13 +225,20 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}.role: {role!r} is not a role", param=f"{where}.role")
             turns.add({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind in _STAGE:
-            turns.assistant(kind, _assistant_part(kind, item, where))
+            part = _assistant_part(kind, item, where)
+            if kind == "function_call":
+                called.add(part["id"])
+            turns.assistant(kind, part)
         elif kind == "function_call_output":
             _fields(item, where, {"type", "call_id", "output", "id", "status"})
             output = _text(item.get("output"), f"{where}.output")
-            turns.add(
-                {"role": "tool", "tool_call_id": _str(item, "call_id", where), "content": output}
-            )
+            call_id = _str(item, "call_id", where)
+            if call_id not in called:
+                raise bad_request(
+                    f"{where}.call_id: {call_id[:64]!r} answers no function call before it",
+                    param=f"{where}.call_id",
+                )
+            turns.add({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             raise bad_request(
                 f"{where}.type: input items of type {kind!r} are not supported (messages, "

@@ -197,6 +197,7 @@ def test_harmless_defaults_are_accepted() -> None:
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "function_call", "call_id": "a", "name": "f"}]}, "input[0].arguments"),
         ({"input": []}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(
