@@ -124,3 +124,19 @@ def test_sft_masks_exactly_the_formats_sampled_tokens_or_refuses(
     )
     assert rendered.token_ids == ids
     assert [int(s) for s in rendered.sampled_mask] == mask
+
+
+def test_build_model_lists_the_families_and_builds_one_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lockgate.coordinator.cli.main import main
+
+    assert main(["build-model", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(FAMILIES)
+    assert main(["build-model", "--format", "llama-3"]) == 0
+    assert capsys.readouterr().out.strip() == str(ensure_tiny_model(spec=family_spec("llama-3")))
+    assert main(["build-model", "--format", "llama3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lockgate: --format: no tiny model in format 'llama3'; choose one of:")
+    assert err.count("\n") == 1
