@@ -96,7 +96,9 @@ class GatewayConfig(BaseModel):
     model_dir: Path = Field(description="HF model dir; its tokenizer renders and parses chats.")
     model_name: str = Field(default="lockgate", description="Name reported by /v1/models.")
     renderer: str = Field(
-        default="qwen3", description="`renderers` config name for the chat format."
+        default="qwen3",
+        description="`renderers` name of the model's chat format; a run sets it from its "
+        "model.chat_format, detected from the model when auto (gateway/calls/chat_format.py).",
     )
     replicas: list[str] = Field(default_factory=list, description="vLLM replica base URLs.")
     db_path: Path = Field(description="SQLite trajectory store file.")
