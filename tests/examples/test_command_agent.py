@@ -14,11 +14,8 @@ import sys
 import textwrap
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from lockgate.agent_runtime import (
@@ -33,12 +30,10 @@ from lockgate.agent_runtime import (
 from lockgate.agent_runtime.command import _own_process_group, parse_reward, reward_url
 from lockgate.coordinator.config import load_config
 from lockgate.coordinator.launch.local import load_environment
-from lockgate.gateway.api.app import create_app
 from lockgate.gateway.client import GatewayClient
-from lockgate.gateway.config import GatewayConfig
-from tests.support.fake_gateway import FakeReplica
 from tests.support.marked_processes import processes_with_marker
-from tests.support.threaded_server import serve_in_thread
+from tests.support.socket_gateway import SocketGateway as Served
+from tests.support.socket_gateway import socket_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "command_agent"
@@ -46,36 +41,10 @@ ADMIN = "admin-token-for-command-tests"
 ANSWER = "42 apples"  # what the fake replica always says; 2 of its 8 characters are digits
 
 
-@dataclass
-class Served:
-    url: str
-    app: Any
-    replica: FakeReplica
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    replica = FakeReplica(
-        completion=tok.encode(ANSWER, add_special_tokens=False)
-        + [tok.convert_tokens_to_ids("<|im_end|>")]
-    )
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replica.handler))
-    config = GatewayConfig(
-        model_dir=tiny_model_dir,
-        replicas=["http://fake-replica:8000"],
-        db_path=tmp_path_factory.mktemp("gateway") / "store.sqlite",
-        admin_token=ADMIN,
-        max_model_len=256,
-    )
-    app = create_app(config, http=upstream)
-    with serve_in_thread(app) as port:
-        try:
-            yield Served(f"http://127.0.0.1:{port}", app, replica)
-        finally:
-            asyncio.run(upstream.aclose())
+    with socket_gateway(tiny_model_dir, tmp_path_factory.mktemp("gateway"), ADMIN, ANSWER) as up:
+        yield up
 
 
 @pytest.fixture

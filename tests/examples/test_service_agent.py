@@ -10,7 +10,6 @@ and the run goes on once the service is back.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -25,7 +24,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from lockgate.agent_runtime import (
@@ -36,12 +34,9 @@ from lockgate.agent_runtime import (
 )
 from lockgate.coordinator.config import load_config
 from lockgate.coordinator.launch.local import load_environment
-from lockgate.gateway.api.app import create_app
 from lockgate.gateway.client import GatewayClient
-from lockgate.gateway.config import GatewayConfig
-from tests.support.fake_gateway import FakeReplica
 from tests.support.marked_processes import processes_with_marker
-from tests.support.threaded_server import serve_in_thread
+from tests.support.socket_gateway import socket_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/service_agent"
@@ -106,26 +101,8 @@ def _records(path: Path) -> list[dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def gateway_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    replica = FakeReplica(
-        completion=tok.encode(ANSWER, add_special_tokens=False)
-        + [tok.convert_tokens_to_ids("<|im_end|>")]
-    )
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replica.handler))
-    config = GatewayConfig(
-        model_dir=tiny_model_dir,
-        replicas=["http://fake-replica:8000"],
-        db_path=tmp_path_factory.mktemp("gateway") / "store.sqlite",
-        admin_token=ADMIN,
-        max_model_len=256,
-    )
-    with serve_in_thread(create_app(config, http=upstream)) as port:
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            asyncio.run(upstream.aclose())
+    with socket_gateway(tiny_model_dir, tmp_path_factory.mktemp("gateway"), ADMIN, ANSWER) as up:
+        yield up.url
 
 
 async def _one_rollout(
