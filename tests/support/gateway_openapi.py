@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from lockgate.gateway.dialects.responses import ResponsesRequest
 from lockgate.gateway.schema import (
     AddReplica,
     ChatCompletionRequest,
@@ -74,6 +75,7 @@ def _agent(path: str, body: type[BaseModel] | None, *, generates: bool = False) 
 ROUTES: list[Route] = [
     *_agent("/v1/chat/completions", ChatCompletionRequest, generates=True),
     *_agent("/v1/completions", CompletionRequest, generates=True),
+    *_agent("/v1/responses", ResponsesRequest, generates=True),
     *_agent("/reward", SetReward),
     *_agent("/metadata", SetMetadata),
     Route("GET", "/v1/models", "open"),

@@ -346,6 +346,9 @@ def _assert_openai_error(body: Any, where: str) -> None:
     assert error["code"] is None or isinstance(error["code"], str), f"{where}: {error!r}"
 
 
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
 def _sse_events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
@@ -402,7 +405,12 @@ def _check(served: Served, route: Route, auth: str, case: Case, invalid: str) ->
     if resp.status_code >= 400:
         _assert_openai_error(resp.json(), detail)
     streamed = resp.headers.get("content-type", "").startswith("text/event-stream")
-    if streamed:
+    if streamed and route.path.endswith("/responses"):
+        # The Responses API's stream: typed events, numbered, ending in the response's end.
+        events = [json.loads(e) for e in _sse_events(resp.text)]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), detail
+        assert events and events[-1]["type"] in RESPONSE_ENDS, detail
+    elif streamed:
         events = _sse_events(resp.text)
         assert events and events[-1] == "[DONE]", detail
         for event in events[:-1]:
@@ -427,7 +435,9 @@ def _check(served: Served, route: Route, auth: str, case: Case, invalid: str) ->
         ]
         _assert_whole_record(call, detail)
         if not streamed:
-            assert resp.json()["usage"]["completion_tokens"] == len(call["completion_ids"])
+            usage = resp.json()["usage"]
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            assert completion == len(call["completion_ids"]), detail
     else:
         assert recorded == 0, f"{detail}\n{recorded} calls recorded"
 
