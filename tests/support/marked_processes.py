@@ -3,7 +3,16 @@ and every process the run starts inherits it; or by process group."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
+
+
+def marked_environment(**extra: str) -> tuple[str, dict[str, str]]:
+    """A fresh marker (`NAME=value`, what `processes_with_marker` looks for) and this process's
+    environment with it and `extra` set, for a run whose processes a test must find."""
+    value = uuid.uuid4().hex
+    return f"LOCKGATE_TEST_RUN={value}", {**os.environ, "LOCKGATE_TEST_RUN": value, **extra}
 
 
 def processes_with_marker(marker: str) -> list[int]:
