@@ -17,8 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
-from lockgate.coordinator.config import LoopSection, SyncSection
+from lockgate.coordinator.config import LoopSection, RunConfig, SyncSection
 from lockgate.coordinator.loop.client_rollouts import ClientSource, enrol_clients
 from lockgate.coordinator.loop.training import TrainingLoop
 from lockgate.coordinator.metrics.log import MetricsLog
@@ -198,3 +199,12 @@ def test_the_gateway_may_start_groups_up_to_the_capacity_less_the_slots_held() -
     assert ClientSource.admitted(Sink(0, 0)) == 8  # type: ignore[arg-type]
     assert ClientSource.admitted(Sink(3, 12)) == 8  # type: ignore[arg-type]
     assert ClientSource.admitted(Sink(3, 11)) == 9  # type: ignore[arg-type]
+
+
+def test_client_mode_is_chosen_in_the_loop_section_and_refuses_screening() -> None:
+    assert RunConfig().loop.rollouts == "dispatch"
+    assert RunConfig.model_validate({"loop": {"rollouts": "client"}}).loop.rollouts == "client"
+    with pytest.raises(ValidationError, match="screen_size"):
+        RunConfig.model_validate({"loop": {"rollouts": "client"}, "algorithm": {"screen_size": 2}})
+    with pytest.raises(ValidationError):
+        RunConfig.model_validate({"loop": {"rollouts": "clients"}})
