@@ -15,8 +15,9 @@ are joined by a newline, as their text would read.
 
 What the gateway cannot honour (images, documents, server tools, `top_k`, thinking settings,
 containers, MCP servers, citations, a final assistant message to continue) is a 400 naming the
-field, never ignored. `cache_control` is accepted and has no effect: a session's calls go to
-one replica, whose prefix cache already keeps what the previous call computed.
+field, never ignored. `cache_control` (on the request, its blocks and tools) is accepted and
+has no effect: a session's calls go to one replica, whose prefix cache already keeps what the
+previous call computed.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class MessagesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: dict[str, Any] | None = None  # accepted, no effect (the module says why)
 
 
 def read_request(raw: dict[str, Any], limits: RequestLimits, counting: bool) -> MessagesRequest:

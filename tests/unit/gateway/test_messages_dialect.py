@@ -84,6 +84,7 @@ def test_system_blocks_and_messages_become_chat_messages_in_order() -> None:
         top_p=0.9,
         stop_sequences=["END"],
         metadata={"user_id": "u1"},
+        cache_control={"type": "ephemeral"},
     )
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief."},
