@@ -60,7 +60,9 @@ def _enrolment_of(gateway: Gateway, request: Request) -> Enrolment:
     return enrolment
 
 
-def _retry_later(exc: RetryLater) -> Response:
+def _retry_later(gateway: Gateway, exc: RetryLater) -> Response:
+    """The refusal with its Retry-After, counted like every error the gateway answers."""
+    gateway.metrics.error(exc)
     response = error_response(exc)
     response.headers["Retry-After"] = f"{max(1, round(exc.retry_after_s))}"
     return response
@@ -83,7 +85,7 @@ def _client_routes(router: APIRouter, gateway: Gateway) -> None:
             body = validate(CreateSession, parse_json(await request.body()))
             admission = enrolment.admit(body.task_id, body.group_id, gateway.gate.version)
         except RetryLater as exc:
-            return _retry_later(exc)
+            return _retry_later(gateway, exc)
         try:
             created = await gateway.create_session(
                 body.model_copy(update={"group_id": admission.group_id})
@@ -106,7 +108,7 @@ def _client_routes(router: APIRouter, gateway: Gateway) -> None:
         try:
             enrolment = _enrolment_of(gateway, request)
         except RetryLater as exc:
-            return _retry_later(exc)
+            return _retry_later(gateway, exc)
         info = EnrolmentInfo(
             model=gateway.config.model_name,
             version=gateway.gate.version,
