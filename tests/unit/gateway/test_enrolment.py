@@ -100,8 +100,9 @@ async def test_a_new_group_past_the_bound_gets_a_429_with_retry_after_until_admi
     assert refused.status_code == 429, refused.text
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["code"] == "groups_full"
+    # Counted like any error answered.
     metrics = (await enrolled.client.get("/metrics")).text
-    assert 'lockgate_gateway_errors_total{kind="groups_full"} 1.0' in metrics  # counted like any error answered
+    assert 'lockgate_gateway_errors_total{kind="groups_full"} 1.0' in metrics
     # Joining the group that holds its slot is still admitted; a third member is not.
     assert (await enrolled.new("t", "g1")).status_code == 201
     assert (await enrolled.new("t", "g1")).status_code == 409
