@@ -59,7 +59,7 @@ def served(
     # The one decision a run makes, from the model's files.
     run = RunConfig.model_validate({"environment": {"path": "env.py"}})
     chat_format = chat_format_of(run, model_dir)
-    assert chat_format == name
+    assert chat_format == FAMILIES[name].format
     run_dir = tmp_path_factory.mktemp(f"family-{name}")
     with tiny_replica_set(model_dir, 1, run_dir / "replica-logs") as replicas:
         with sdk_gateway(
