@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from lockgate.coordinator.launch.gateway import GatewayProcess
-from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 
 
 @contextlib.contextmanager
@@ -35,6 +36,28 @@ def sdk_gateway(
         yield gateway.url
     finally:
         gateway.stop()
+
+
+def greedy_gateway_url(admin_token: str, name: str) -> Any:
+    """A module fixture: the URL of a gateway process over the session's replicas that honours
+    the agent's sampling (a test that asks temperature 0 is greedy, so it can be exact) and has
+    forced tool calls come first, without thinking. `name`: its run folder's."""
+
+    @pytest.fixture(scope="module")
+    def gateway_url(
+        tiny_model_dir: Path, replicas: Any, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[str]:
+        with sdk_gateway(
+            tiny_model_dir,
+            replicas.urls,
+            tmp_path_factory.mktemp(name),
+            admin_token,
+            sampling=SamplingPolicy(mode="honor"),
+            constrained_reasoning="disabled",
+        ) as url:
+            yield url
+
+    return gateway_url
 
 
 def admin_call(url: str, token: str, method: str, path: str, body: Any = None) -> Any:

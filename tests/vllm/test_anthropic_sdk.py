@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,7 @@ import httpx
 import httpx2
 import pytest
 
-from lockgate.gateway.config import SamplingPolicy
-from tests.support.sdk_gateway import admin_call, sdk_gateway
+from tests.support.sdk_gateway import admin_call, greedy_gateway_url
 from tests.vllm.test_sync_vllm import Gw, open_gateway
 
 pytestmark = pytest.mark.vllm
@@ -39,22 +37,8 @@ TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def gateway_url(
-    tiny_model_dir: Path, replicas: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    run_dir = tmp_path_factory.mktemp("anthropic-sdk-gateway")
-    # Greedy (the agent's temperature honoured), so the test can be exact; the forced tool
-    # call comes first, without thinking.
-    with sdk_gateway(
-        tiny_model_dir,
-        replicas.urls,
-        run_dir,
-        ADMIN,
-        sampling=SamplingPolicy(mode="honor"),
-        constrained_reasoning="disabled",
-    ) as url:
-        yield url
+# Greedy (the agent's temperature honoured), so the tests can be exact.
+gateway_url = greedy_gateway_url(ADMIN, "anthropic-sdk-gateway")
 
 
 def _admin(url: str, method: str, path: str, body: Any = None) -> Any:
