@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from lockgate.gateway.api.app import create_app
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.schema import CreateSession, DiskWeights
-from tests.support.sdk_gateway import admin_call, sdk_gateway
+from tests.support.sdk_gateway import admin_call, greedy_gateway_url
 
 pytestmark = pytest.mark.vllm
 
@@ -63,22 +63,9 @@ def get_weather(city: Literal["Paris", "London"]) -> str:
     return f"sunny in {city}"
 
 
-@pytest.fixture(scope="module")
-def gateway_url(
-    tiny_model_dir: Path, replicas: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    run_dir = tmp_path_factory.mktemp("responses-gateway")
-    # A gateway process: the SDKs speak real HTTP and real SSE to it. Greedy where a test
-    # asks; a forced call comes first, without thinking.
-    with sdk_gateway(
-        tiny_model_dir,
-        replicas.urls,
-        run_dir,
-        ADMIN,
-        sampling=SamplingPolicy(mode="honor"),
-        constrained_reasoning="disabled",
-    ) as url:
-        yield url
+# A gateway process: the SDKs speak real HTTP and real SSE to it. It honours the agent's
+# sampling (greedy where a test asks) and a forced call comes first, without thinking.
+gateway_url = greedy_gateway_url(ADMIN, "responses-gateway")
 
 
 @pytest.fixture(scope="module")
