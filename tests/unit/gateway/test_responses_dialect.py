@@ -510,6 +510,27 @@ async def test_previous_response_id_continues_the_exact_tokens_unless_store_was_
     assert len(await gw.calls(s["session_id"])) == 2  # refused calls are not made
 
 
+async def test_continuing_an_older_response_branches_and_is_counted_as_a_re_render(
+    gw: _Gateway,
+) -> None:
+    gw.answer(_CALL)
+    s = await gw.session()
+    sdk = gw.sdk(s["base_url"])
+    first = await sdk.responses.create(model="m", input="Weather?", tools=[TOOL])
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    gw.answer("Sunny.")
+    output = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    for _ in range(2):  # the second continues `first` again, after another call
+        await sdk.responses.create(
+            model="m", input=output, previous_response_id=first.id, tools=[TOOL]
+        )
+    calls = await gw.calls(s["session_id"])
+    assert [c["extends_previous"] for c in calls] == [False, True, False]
+    assert calls[2]["request"]["messages"] == calls[1]["request"]["messages"]
+    samples = (await gw.client.get(f"/admin/sessions/{s['session_id']}/samples", headers=_ADMIN)).json()  # fmt: skip
+    assert samples["splits"] == 1
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 async def test_the_agents_sdk_default_model_runs_a_tool_turn_and_its_answer(
     gw: _Gateway, streamed: bool
