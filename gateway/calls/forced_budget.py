@@ -12,6 +12,16 @@ a character outside ASCII a byte a token: `bound_strings`), the JSON whitespace 
 character a place and only one call is allowed; an ample budget leaves strings, whitespace and
 parallel calls as they are.
 
+The reserve counts the call as the grammar lets the model write it, because only the most
+tokens the grammar allows makes the promise hold; a count of how a model usually writes it
+would not. The grammar is characters between the format's markers (each matched as its special
+token), and a byte-level tokenizer may spell any of those characters a byte a token, so the
+call's fixed text and its shortest arguments count a token a UTF-8 byte (`most_tokens`) and
+the JSON whitespace a token a place. Holding the fixed text to the tokenizer's own tokens
+would make the reserve far smaller, but vLLM's xgrammar backend (its compiled-grammar cache)
+then masked tokens a request's own grammar rejects, failing the request; so that waits for a
+fixed xgrammar (docs/performance.md).
+
 Pure: token counts come from a function the caller passes (`most_tokens` for the worst
 case the grammar allows).
 """
@@ -91,7 +101,7 @@ def plan_forced_budget(
         # Without strings to write, the thinking may have all the room.
         think = (slack - THINK_OVERHEAD_TOKENS) // (2 if strings else 1)
         slack -= THINK_OVERHEAD_TOKENS + think
-    string_chars = max(1, slack // strings) if strings and not ample else None
+    string_chars = slack // strings if strings and not ample else None
     return ForcedBudget(
         think_tokens=think, string_chars=string_chars, whitespace=whitespace, one_call=not ample
     )
@@ -164,10 +174,11 @@ def _shortest_call(
     spec: tuple[str, Mapping[str, Any], str], count_tokens: Callable[[str], int]
 ) -> tuple[int, int]:
     """Tokens of the call with its shortest arguments, and the JSON positions where the
-    grammar lets whitespace in (around each brace, colon and comma)."""
+    grammar lets whitespace in (inside each bracket, either side of each colon and comma;
+    none around the whole value)."""
     begin, schema, end = spec
     args = json.dumps(shortest_instance(schema), separators=(",", ":"))
-    positions = sum(args.count(c) for c in "{}[]:,") + 2
+    positions = sum(args.count(c) for c in "{}[]") + 2 * sum(args.count(c) for c in ":,")
     return count_tokens(begin) + count_tokens(args) + count_tokens(end), positions
 
 
