@@ -67,3 +67,35 @@ def admin_call(url: str, token: str, method: str, path: str, body: Any = None) -
     )
     assert resp.status_code < 300, resp.text
     return resp.json()
+
+
+async def agents_forced_turn(base_url: str, tool_fn: Any, max_tokens: int) -> str:
+    """One turn of the openai-agents SDK's chat model with `tool_choice="required"` at a
+    session's `base_url`; the run ends with the tool's result (its final output), so only the
+    forced turn is under test."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    # The SDK would otherwise try to export traces to OpenAI's servers.
+    set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=base_url, api_key="unused")
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the tool.",
+        tools=[function_tool(tool_fn)],
+        model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=max_tokens),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    try:
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+    finally:
+        await client.close()
+    return str(result.final_output)

@@ -15,30 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import (
-    Agent,
-    ModelSettings,
-    OpenAIChatCompletionsModel,
-    Runner,
-    function_tool,
-    set_tracing_disabled,
-)
-from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from lockgate.gateway.config import GatewayConfig
-from tests.support.sdk_gateway import admin_call, sdk_gateway
+from tests.support.sdk_gateway import admin_call, agents_forced_turn, sdk_gateway
 
 pytestmark = pytest.mark.vllm
 
 ADMIN = "admin-token-for-agents-sdk-tests"
 SESSIONS = 8
 
-# The SDK would otherwise try to export traces to OpenAI's servers.
-set_tracing_disabled(True)
 
-
-@function_tool
 def get_weather(city: str) -> str:
     """The weather in a city."""
     return f"sunny in {city}"
@@ -63,19 +50,8 @@ def _admin(url: str, method: str, path: str, body: Any = None) -> Any:
 
 async def _forced_turn(url: str, max_tokens: int) -> tuple[str, str]:
     created = _admin(url, "POST", "/admin/sessions", {"task_id": "weather"})
-    client = AsyncOpenAI(base_url=url + created["base_url"], api_key="unused")
-    agent = Agent(
-        name="weather",
-        instructions="Answer with the weather tool.",
-        tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", max_tokens=max_tokens),
-        # The run ends with the first tool's result: only the forced turn is under test.
-        tool_use_behavior="stop_on_first_tool",
-    )
-    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
-    await client.close()
-    return created["session_id"], str(result.final_output)
+    final = await agents_forced_turn(url + created["base_url"], get_weather, max_tokens)
+    return created["session_id"], final
 
 
 # 64: the call's worst case (59 tokens: its fixed text spelt a character a token) and hardly
