@@ -37,8 +37,8 @@ from lockgate.coordinator.launch.deploy_checks import (
 from lockgate.coordinator.launch.gateway import GatewayDied, GatewayProcess
 from lockgate.coordinator.launch.parts import (
     admin_token_of,
-    gateway_config_of,
     chat_format_of,
+    gateway_config_of,
     new_admin_token,
     replica_launch_config_of,
     run_dir_of,
@@ -545,6 +545,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
     check_sinks(config.metrics)
 
     model_dir = config.model.path or ensure_tiny_model()
+    _say(f"chat format: {chat_format_of(config, model_dir)}")  # before anything starts
     env = load_environment(config.environment, model_dir, RunDir(run_dir).agent_logs)
     val_tasks = val_tasks_of(env) if config.loop.val_every else None
     trainer_config = _trainer_config(config, model_dir, resume)
@@ -556,7 +557,6 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         if callable(close_env):  # an environment's own processes stop with the run
             stack.callback(close_env)
         ray_parts = _ray_parts(config, trainer_config, stack)
-    _say(f"chat format: {chat_format_of(config, model_dir)}")  # before anything starts
         placement = _placement(config, external, model_dir, trainer_config, ray_parts)
         parts = _launch_parts(
             config,
