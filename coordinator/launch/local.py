@@ -518,7 +518,8 @@ def _wait_parts(
     parts.trainer.wait_ready()
     state, rewards = _resume_point(run_dir, parts.trainer.resumed_step(), trainer_config.resume)
     if parts.val_gateway is not None:
-        parts.val_gateway.wait_ready()
+        # Started beside the main gateway, it loads the same model under the same load.
+        parts.val_gateway.wait_ready(config.gateway.startup_timeout_s)
     if ray_parts is not None:
         val_urls = [parts.val_gateway.url] if parts.val_gateway is not None else []
         ray_parts.supervise(
