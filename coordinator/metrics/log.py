@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lockgate.coordinator.metrics.sinks import MetricSink, SinkFanout
-from lockgate.gateway.records.metrics_file import STEP, Perf, Reward, Staleness, Time
+from lockgate.gateway.records.metrics_file import (
+    STEP,
+    Count,
+    Perf,
+    Reward,
+    Staleness,
+    Time,
+    count_key,
+)
 
 
 class MetricsLog:
@@ -36,6 +44,9 @@ class MetricsLog:
         self._tokens = 0.0
         self._step_s = 0.0
         self._train_s = 0.0
+        # The run's failed rollouts at the previous line; unknown before a resumed run's first
+        # line (its counters start from its checkpoint's, not from zero).
+        self._failed: int | None = None
         self._sinks = SinkFanout(sinks)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -58,9 +69,20 @@ class MetricsLog:
             f" | gen {rate:.0f} tok/s | trainer idle {100 * idle:.0f}%"
             f" | staleness {r[Staleness.MEAN]:.2f} (max {r[Staleness.MAX]:.0f})"
             f" | train {r[Time.TRAIN_S]:.1f}s | sync {r[Time.SYNC_S]:.2f}s"
-            f" | elapsed {_fmt(elapsed)} eta {_fmt(eta)}\n"
+            f"{self._failures(r)} | elapsed {_fmt(elapsed)} eta {_fmt(eta)}\n"
         )
         self._stream.flush()
+
+    def _failures(self, r: dict[str, Any]) -> str:
+        """The run's failed rollouts, once there are any: a service or command that fails must
+        show on the line an operator watches, not only in the records."""
+        failed = int(r.get(count_key(Count.ROLLOUTS_FAILED), 0))
+        before = 0 if int(r[STEP]) == 1 else self._failed
+        new = None if before is None else failed - before
+        self._failed = failed
+        if not failed:
+            return ""
+        return f" | failed rollouts {failed}" + (f" (+{new})" if new else "")
 
     def close(self) -> None:
         self._file.close()
