@@ -17,7 +17,7 @@ def add_parser(sub: Subcommands) -> None:
         "sft",
         help="supervised fine-tuning on chat JSONL (loss on assistant tokens only)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Tokenize the chats with the model's chat template, train on the trainer's "
+        description="Tokenize the chats in the model's chat format, train on the trainer's "
         "FSDP2 ranks (torchrun), and write OUT/final/, an HF model dir (usable as model.path of "
         "an RL run). OUT also holds metrics.jsonl, checkpoints/ and sft.log.",
         epilog="config options (YAML/TOML sections; override any with --set):\n"

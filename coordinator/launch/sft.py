@@ -121,6 +121,7 @@ def _prepare_data(config: SFTConfig) -> None:
         examples, stats[name] = tokenize_file(
             source,
             tokenizer,
+            chat_format=config.model.chat_format,
             max_length=data.max_length,
             overlong=data.overlong,
             end_of_turn=data.end_of_turn,

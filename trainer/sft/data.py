@@ -2,16 +2,20 @@
 
 Pure logic (no torch): the tokenizer is anything with transformers' `apply_chat_template`.
 
-Each line is `{"messages": [...], "tools": [...]}` in OpenAI's chat format. A conversation is
-rendered once with the model's own chat template. Assistant message i's tokens are found by
-rendering prefixes: `messages[:i]` with the generation prompt (where the model starts writing)
-and `messages[:i+1]` (where its turn ends). Both must be exact token prefixes of the whole
-render; a template that re-renders history (Qwen3's drops the <think> block of every turn
-before the last user message, and renders an empty one only on the last turn) breaks that, and
-a mask from such renders would train tokens the model never generates, so the conversation is
-an error naming its line. The mask is 1 from after the generation prompt up to and including
-the end-of-turn token (the model must learn to stop), 0 on whatever the template adds after it
-(Qwen3's newline) and on every other message.
+Each line is `{"messages": [...], "tools": [...]}` in OpenAI's chat format, rendered in the run's
+chat format (`model.chat_format`, decided as a training run's gateway decides it). A format with
+a `renderers` renderer of its own is rendered and masked by it (`renderer_mask.py`: 1 exactly
+on the tokens the assistant samples, its turn-closing token included).
+
+The generic format (`default`) is rendered once with the model's own chat template, which says
+nothing of which tokens are sampled, so assistant message i's tokens are found by rendering
+prefixes: `messages[:i]` with the generation prompt (where the model starts writing) and
+`messages[:i+1]` (where its turn ends). Both must be exact token prefixes of the whole render;
+a template that re-renders history (Qwen3's drops the <think> block of every turn before the
+last user message) breaks that, and a mask from such renders would train tokens the model never
+generates, so the conversation is an error naming its line. The mask is 1 from after the
+generation prompt up to and including the end-of-turn token (the model must learn to stop), 0
+on whatever the template adds after it and on every other message.
 
 Tool-call arguments given as a JSON string are parsed into an object first, so the two forms
 OpenAI clients produce render to the same tokens (the template's canonical JSON).
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +34,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lockgate.trainer.sft.renderer_mask import GENERIC, format_renderer, render_with_sampled_mask
 
 _ROLES: frozenset[str] = frozenset(("system", "user", "assistant", "tool"))
 
@@ -166,8 +172,8 @@ def _check_prefix(
         f"message {index} (assistant): the chat template renders {what} differently from the "
         f"whole conversation (it re-renders history), so the loss mask would be wrong; at token "
         f"{at} the prefix has {tokenizer.decode(prefix[at : at + 12])!r}, the whole "
-        f"{tokenizer.decode(full[at : at + 12])!r}. Qwen3's template does this to assistant "
-        "turns before the last user message and to later ones without reasoning_content"
+        f"{tokenizer.decode(full[at : at + 12])!r}. A model whose format `renderers` knows "
+        "is masked by its renderer: set model.chat_format to it"
     )
 
 
@@ -201,6 +207,30 @@ def render_with_mask(
     return full, mask
 
 
+# A conversation's messages and tools -> its token ids and loss mask.
+Masker = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], tuple[list[int], list[int]]]
+
+
+def chat_masker(tokenizer: ChatTokenizer, chat_format: str, end_of_turn: str | None) -> Masker:
+    """How a run's conversations become ids and a loss mask: by the format's renderer, or by
+    the model's template for the generic format (see the module doc)."""
+    if chat_format == GENERIC:
+        eot = end_of_turn_id(tokenizer, end_of_turn)
+        return partial(render_with_mask, tokenizer, eot_id=eot)
+    if end_of_turn is not None:
+        raise ValueError(
+            f"data.end_of_turn is for the generic template format only: the '{chat_format}' "
+            "renderer marks the tokens that close its assistant turns itself"
+        )
+    return partial(_mask_by_renderer, format_renderer(tokenizer, chat_format))
+
+
+def _mask_by_renderer(
+    renderer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[list[int], list[int]]:
+    return render_with_sampled_mask(renderer, normalize_messages(messages), tools)
+
+
 def _raw_lines(path: Path) -> Iterator[tuple[int, str]]:
     with path.open() as f:
         for number, text in enumerate(f, start=1):
@@ -221,30 +251,27 @@ def _parse_line(path: Path, number: int, text: str) -> ChatLine:
 Rendered = tuple[int, list[int], list[int]]  # line number, token ids, loss mask
 
 
-def _render_line(
-    tokenizer: ChatTokenizer, eot: int, path: Path, number: int, text: str
-) -> Rendered:
+def _render_line(masker: Masker, path: Path, number: int, text: str) -> Rendered:
     line = _parse_line(path, number, text)
     try:
-        ids, mask = render_with_mask(tokenizer, line.messages, line.tools, eot)
+        ids, mask = masker(line.messages, line.tools)
     except ValueError as exc:
         raise type(exc)(f"{path} line {number}: {exc}") from None
     return number, ids, mask
 
 
-# A forked worker's tokenizer and end-of-turn id, inherited from the parent (never pickled).
-_worker: tuple[ChatTokenizer, int] | None = None
+# A forked worker's masker (its tokenizer, renderer), inherited from the parent (never pickled).
+_worker: Masker | None = None
 
 
-def _start_worker(tokenizer: ChatTokenizer, eot: int) -> None:
+def _start_worker(masker: Masker) -> None:
     global _worker
-    _worker = (tokenizer, eot)
+    _worker = masker
 
 
 def _render_chunk(path: Path, chunk: list[tuple[int, str]]) -> list[Rendered]:
     assert _worker is not None
-    tokenizer, eot = _worker
-    return [_render_line(tokenizer, eot, path, number, text) for number, text in chunk]
+    return [_render_line(_worker, path, number, text) for number, text in chunk]
 
 
 # Lines a worker renders at a time, and the fewest lines worth starting workers for.
@@ -252,21 +279,21 @@ _CHUNK = 256
 _PARALLEL_FROM = 1024
 
 
-def _rendered(path: Path, tokenizer: ChatTokenizer, eot: int, workers: int) -> Iterator[Rendered]:
+def _rendered(path: Path, masker: Masker, workers: int) -> Iterator[Rendered]:
     """Every non-blank line rendered, in file order; across `workers` forked processes when
     the file is long enough (rendering is jinja and the tokenizer, CPU-bound Python; measured
     in docs/performance.md, "Trainer")."""
     lines = list(_raw_lines(path))
     if workers <= 1 or len(lines) < _PARALLEL_FROM or "fork" not in get_all_start_methods():
         for number, text in lines:
-            yield _render_line(tokenizer, eot, path, number, text)
+            yield _render_line(masker, path, number, text)
         return
     chunks = [lines[i : i + _CHUNK] for i in range(0, len(lines), _CHUNK)]
     with ProcessPoolExecutor(
         workers,
         mp_context=get_context("fork"),
         initializer=_start_worker,
-        initargs=(tokenizer, eot),
+        initargs=(masker,),
     ) as pool:
         for rendered in pool.map(partial(_render_chunk, path), chunks):
             yield from rendered
@@ -276,17 +303,19 @@ def tokenize_file(
     path: Path,
     tokenizer: ChatTokenizer,
     *,
+    chat_format: str,
     max_length: int,
     overlong: Literal["truncate", "drop"],
     end_of_turn: str | None,
     workers: int = 1,
 ) -> tuple[list[Example], DataStats]:
-    """Every conversation of `path` as an Example, in file order, and what was cut or left out;
-    rendered by `workers` processes (forked, sharing the tokenizer) on long files."""
-    eot = end_of_turn_id(tokenizer, end_of_turn)
+    """Every conversation of `path` as an Example in `chat_format` (a resolved `renderers`
+    name), in file order, and what was cut or left out; rendered by `workers` processes
+    (forked, sharing the tokenizer) on long files."""
+    masker = chat_masker(tokenizer, chat_format, end_of_turn)
     examples: list[Example] = []
     stats = DataStats()
-    for number, ids, mask in _rendered(path, tokenizer, eot, workers):
+    for number, ids, mask in _rendered(path, masker, workers):
         stats.conversations += 1
         if len(ids) > max_length:
             if overlong == "drop":

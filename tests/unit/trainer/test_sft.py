@@ -114,9 +114,17 @@ def test_tool_call_arguments_as_a_json_string_or_an_object_train_the_same_tokens
 def test_a_template_that_re_renders_history_is_an_error_naming_the_line(
     tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
+    # Qwen3's own format is masked by its renderer; its template alone cannot mask this chat.
     path = _write_jsonl(tmp_path / "chats.jsonl", [CHATS[3], REPLAYED])
     with pytest.raises(TemplateMismatch, match=r"chats\.jsonl line 2: message 1 \(assistant\)"):
-        tokenize_file(path, tokenizer, max_length=512, overlong="drop", end_of_turn=None)
+        tokenize_file(
+            path,
+            tokenizer,
+            chat_format="default",
+            max_length=512,
+            overlong="drop",
+            end_of_turn=None,
+        )
 
 
 def test_forked_workers_render_what_one_process_renders_in_file_order(
@@ -126,7 +134,12 @@ def test_forked_workers_render_what_one_process_renders_in_file_order(
     monkeypatch.setattr(sft_data, "_PARALLEL_FROM", 1)
     monkeypatch.setattr(sft_data, "_CHUNK", 2)
     path = _write_jsonl(tmp_path / "chats.jsonl", CHATS * 3)
-    args: dict[str, Any] = {"max_length": 4096, "overlong": "drop", "end_of_turn": None}
+    args: dict[str, Any] = {
+        "chat_format": "default",  # the template's prefix renders, which can fail a line
+        "max_length": 4096,
+        "overlong": "drop",
+        "end_of_turn": None,
+    }
     one, one_stats = tokenize_file(path, tokenizer, **args)
     two, two_stats = tokenize_file(path, tokenizer, workers=2, **args)
     assert two == one and two_stats == one_stats
@@ -141,20 +154,17 @@ def test_overlong_chats_are_truncated_or_dropped_and_counted(
     tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
     path = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
-    full, _ = tokenize_file(path, tokenizer, max_length=4096, overlong="drop", end_of_turn=None)
+    args: dict[str, Any] = {"chat_format": "qwen3", "end_of_turn": None}
+    full, _ = tokenize_file(path, tokenizer, max_length=4096, overlong="drop", **args)
     # Two tokens short of the shortest tool chat: all four lose their answer's end, the two
     # plain chats fit.
     limit = min(len(e.input_ids) for e in full if len(e.input_ids) > 100) - 2
-    cut, stats = tokenize_file(
-        path, tokenizer, max_length=limit, overlong="truncate", end_of_turn=None
-    )
+    cut, stats = tokenize_file(path, tokenizer, max_length=limit, overlong="truncate", **args)
     assert (stats.truncated, stats.dropped_overlong, stats.examples) == (4, 0, 6)
     for e, f in zip(cut, full, strict=True):
         n = min(limit, len(f.input_ids))
         assert (e.input_ids, e.loss_mask) == (f.input_ids[:n], f.loss_mask[:n])
-    kept, stats = tokenize_file(
-        path, tokenizer, max_length=limit, overlong="drop", end_of_turn=None
-    )
+    kept, stats = tokenize_file(path, tokenizer, max_length=limit, overlong="drop", **args)
     assert (stats.truncated, stats.dropped_overlong) == (0, 4)
     assert [e.line for e in kept] == [4, 6]
 
@@ -187,6 +197,11 @@ def test_the_shipped_example_parses_and_its_chats_render(tokenizer: ChatTokenize
     assert config.loop.epochs == 2 and config.model.path is None
     data = config.resolved(path.parent, Path("unused")).data
     examples, stats = tokenize_file(
-        data.path, tokenizer, max_length=data.max_length, overlong="drop", end_of_turn=None
+        data.path,
+        tokenizer,
+        chat_format="qwen3",
+        max_length=data.max_length,
+        overlong="drop",
+        end_of_turn=None,
     )
     assert stats.examples == stats.conversations == len(examples) > 0
