@@ -159,7 +159,8 @@ class ServiceAgent:
     """An `Agent` that POSTs each rollout to `url`; see the module docstring for the contract.
 
     `attach_gateway` gives it the admin token it needs to check, before a retry, that a
-    session has no recorded call; without it nothing is retried.
+    session has no recorded call (without it nothing is retried), and the gateways' URLs as
+    the service reaches them where they differ from the coordinator's.
     """
 
     def __init__(
@@ -179,13 +180,29 @@ class ServiceAgent:
         self._slots = asyncio.Semaphore(self.options.max_concurrency)
         self._admin_token: str | None = None
         self._gateway_transport: httpx.AsyncBaseTransport | None = None
+        self._public_roots: dict[str, str] = {}
 
     def attach_gateway(
-        self, admin_token: str, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        admin_token: str,
+        transport: httpx.AsyncBaseTransport | None = None,
+        public_roots: Mapping[str, str] | None = None,
     ) -> None:
-        """Let retries ask the sessions' gateway (any of the run's) whether a call was recorded."""
+        """Let retries ask the sessions' gateway (any of the run's) whether a call was recorded.
+
+        `public_roots` maps a gateway's URL as the coordinator reaches it to the URL the service
+        is sent instead (coordinator/launch/advertise.py): a loopback URL means nothing on the
+        service's host. Session URLs of a gateway not in it are sent as they are.
+        """
         self._admin_token = admin_token
         self._gateway_transport = transport
+        self._public_roots = {k.rstrip("/"): v.rstrip("/") for k, v in (public_roots or {}).items()}
+
+    def _public(self, base_url: str) -> str:
+        """A session's base URL as the service reaches it."""
+        root = _gateway_root(base_url)
+        public = self._public_roots.get(root) if root is not None else None
+        return base_url if root is None or public is None else public + base_url[len(root) :]
 
     async def __call__(self, task: Task, ctx: RolloutContext) -> float | None:
         deadline = time.time() + self.options.timeout_s
@@ -227,13 +244,14 @@ class ServiceAgent:
     async def _post(
         self, task: Task, ctx: RolloutContext, deadline: float, attempt: int
     ) -> float | None:
+        base_url = self._public(ctx.base_url)
         request = ServiceRequest(
             task=ServiceTask(id=task.id, data=task.data),
             session_id=ctx.session_id,
-            base_url=ctx.base_url,
+            base_url=base_url,
             api_key=ctx.api_key,
             model=ctx.model,
-            reward_url=reward_url(ctx.base_url),
+            reward_url=reward_url(base_url),
             deadline_unix_s=deadline,
             seconds_left=max(deadline - time.time(), 0.0),
             attempt=attempt,
@@ -295,7 +313,10 @@ class ServiceEnvironment(TasksEnvironment):
         super().__init__(tasks, self._service)
 
     def attach_gateway(
-        self, admin_token: str, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        admin_token: str,
+        transport: httpx.AsyncBaseTransport | None = None,
+        public_roots: Mapping[str, str] | None = None,
     ) -> None:
         """See `ServiceAgent.attach_gateway`; the coordinator calls it once its gateway runs."""
-        self._service.attach_gateway(admin_token, transport)
+        self._service.attach_gateway(admin_token, transport, public_roots)

@@ -161,6 +161,13 @@ class GatewaySection(BaseModel):
         description="Address a gateway started here listens on (0.0.0.0: all interfaces).",
     )
     port: int = Field(default=0, ge=0, le=65535, description="Gateway port (0 picks a free one).")
+    advertise_url: str | None = Field(
+        default=None,
+        description="The gateway's URL as agents on other hosts reach it: the base of the "
+        "session URLs sent to an agent service (environment.url) and of RUN_DIR/enrolment.json. "
+        "Unset: the URL the coordinator uses, where a wildcard host (0.0.0.0, ::) is replaced "
+        "by this machine's address.",
+    )
     startup_timeout_s: float = Field(
         default=60.0, gt=0, description="Wait this long for the gateway (started here or at `url`)."
     )
@@ -178,7 +185,7 @@ class GatewaySection(BaseModel):
     def _url_shorthand(cls, data: Any) -> Any:
         return {"url": data} if isinstance(data, str) else data
 
-    @field_validator("url")
+    @field_validator("url", "advertise_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
         return None if url is None else service_url(url)

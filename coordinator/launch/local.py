@@ -27,6 +27,7 @@ from lockgate.agent_runtime.service import ServiceEnvironment, ServiceOptions
 from lockgate.coordinator.config import EnvironmentSection, RunConfig
 from lockgate.coordinator.cpu_plan import CpuPlan, plan_here
 from lockgate.coordinator.errors import LockgateError, RunFailed
+from lockgate.coordinator.launch.advertise import advertised_url
 from lockgate.coordinator.launch.cpu_priority import session_niced
 from lockgate.coordinator.launch.deploy_checks import (
     DeployError,
@@ -179,11 +180,12 @@ def _resume_point(
     return state, rewards
 
 
-def _validation_gateway(training: GatewayConfig, run_dir: Path) -> GatewayProcess:
-    """A second gateway on the same replicas that samples greedily, for validation rollouts."""
+def _validation_gateway(training: GatewayConfig, run_dir: Path, host: str) -> GatewayProcess:
+    """A second gateway on the same replicas that samples greedily, for validation rollouts;
+    it listens where the training one does, so that agents elsewhere reach it too."""
     greedy = training.sampling.model_copy(update={"mode": "override", "temperature": 0.0})
     config = training.model_copy(update={"db_path": RunDir(run_dir).val_store, "sampling": greedy})
-    return GatewayProcess(config, run_dir, name=VAL_GATEWAY)
+    return GatewayProcess(config, run_dir, name=VAL_GATEWAY, host=host)
 
 
 def _replica_urls(
@@ -310,6 +312,16 @@ class _Parts:
         """The gateways this run started: the run stops if one of them dies."""
         return [g for g in (self.gateway, self.val_gateway) if g is not None]
 
+    def public_urls(self, config: RunConfig) -> dict[str, str]:
+        """Each gateway's URL as the coordinator reaches it -> as agents elsewhere do
+        (advertise.py); `gateway.advertise_url` names the training gateway only."""
+        section = config.gateway
+        listen = section.host if self.gateway is not None else None
+        urls = {self.gateway_url: advertised_url(self.gateway_url, listen, section.advertise_url)}
+        if self.val_gateway is not None:
+            urls[self.val_gateway.url] = advertised_url(self.val_gateway.url, section.host)
+        return urls
+
 
 async def _run_loop(
     config: RunConfig,
@@ -329,8 +341,9 @@ async def _run_loop(
     async with contextlib.AsyncExitStack() as clients:
         clients.push_async_callback(close_shared_transport)
         client = await clients.enter_async_context(GatewayClient(parts.gateway_url, admin_token))
+        public_urls = parts.public_urls(config)
         if isinstance(env, ServiceEnvironment):  # it checks a session's records before a retry
-            env.attach_gateway(admin_token)
+            env.attach_gateway(admin_token, public_roots=public_urls)
         validation = None
         if validation_at is not None:
             val_url, val_tasks = validation_at
@@ -339,7 +352,11 @@ async def _run_loop(
         source = None
         if config.loop.rollouts == "client":
             source, enrolment = enrol_clients(
-                client, run_dir, config.loop.group_size, config.loop.rollout_timeout_s
+                client,
+                run_dir,
+                config.loop.group_size,
+                config.loop.rollout_timeout_s,
+                url=public_urls[parts.gateway_url],
             )
             _say(
                 f"client-driven rollouts: enrol sessions at {enrolment.url}/v1/sessions with "
@@ -495,7 +512,7 @@ def _launch_parts(
     trainer.launch()
     val_gateway: GatewayProcess | None = None
     if validate:
-        val_gateway = _validation_gateway(gateway_config, run_dir)
+        val_gateway = _validation_gateway(gateway_config, run_dir, config.gateway.host)
         stack.callback(val_gateway.stop)
         val_gateway.launch()
     return _Parts(gateway_url, admin_token, gateway, val_gateway, trainer)

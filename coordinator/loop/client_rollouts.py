@@ -141,11 +141,19 @@ class ClientSource:
 
 
 def enrol_clients(
-    gateway: GatewayClient, run_dir: Path, group_size: int, timeout_s: float | None = None
+    gateway: GatewayClient,
+    run_dir: Path,
+    group_size: int,
+    timeout_s: float | None = None,
+    *,
+    url: str | None = None,
 ) -> tuple[ClientSource, EnrolmentFile]:
-    """A fresh enrolment key, written to the run dir for clients, and the source that opens
-    the enrolment with it when the loop starts (groups incomplete after `timeout_s` closed)."""
-    enrolment = EnrolmentFile(url=gateway.base_url, key=new_enrolment_key(), group_size=group_size)
+    """A fresh enrolment key, written to the run dir for clients with the gateway's `url` as
+    they reach it (default: the coordinator's), and the source that opens the enrolment with it
+    when the loop starts (groups incomplete after `timeout_s` closed)."""
+    enrolment = EnrolmentFile(
+        url=url or gateway.base_url, key=new_enrolment_key(), group_size=group_size
+    )
     write_enrolment_file(RunDir(run_dir).enrolment, enrolment)
     source = ClientSource(gateway, enrolment.key, group_size, timeout_s=timeout_s)
     return source, enrolment
