@@ -221,6 +221,27 @@ def test_a_run_stops_early_and_stays_stopped_when_resumed(
     assert f"sft done: {stop} steps ({why}" in resumed.stderr
 
 
+def test_a_run_that_misses_its_required_exact_match_fails_in_one_line(tmp_path: Path) -> None:
+    # Exact match 1.0 in 4 steps: no run gets there, so the run ends at its cap and fails.
+    rule = {"val_every": 2, "max_steps": 4, "stop_at_val_exact_match": 1.0}
+    config = _config(tmp_path, loop={**rule, "require": "val_exact_match"})
+    result = _lockgate_sft(config)
+    assert result.returncode == 1, result.stderr
+    out = tmp_path / "out"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "lockgate: sft failed: held-out exact match 0.000 when the run ended at step 4, short "
+        "of loop.stop_at_val_exact_match 1.0 (loop.require: val_exact_match)"
+    ), last
+    assert str(out / "sft.log") in last
+    checks = [r for r in _records(out) if "sft/val_loss" in r]
+    assert [(r["step"], r["sft/val_exact_match"]) for r in checks] == [(2, 0.0), (4, 0.0)]
+    assert "val_exact_match 0.000" in result.stderr  # the progress line carries it
+    assert (out / "final" / "model.safetensors").exists()  # the model is there to inspect
+    # Without the requirement the same run ends well at its cap.
+    _ok(_lockgate_sft(config, "--set", "loop.require=null", "--out", str(tmp_path / "free")))
+
+
 def test_two_ranks_train_the_same_steps_as_one(full_run: Path, tmp_path: Path) -> None:
     config = _config(tmp_path, loop={"max_steps": 4}, trainer={"world_size": 2})
     _ok(_lockgate_sft(config))

@@ -23,6 +23,7 @@ from lockgate.trainer.config import ComputeDtype, Device, LrSchedule, Packing, T
 
 BatchUnit = Literal["conversations", "tokens"]
 Overlong = Literal["truncate", "drop"]
+Require = Literal["val_exact_match", "val_loss"]
 
 
 def _shared(name: str) -> Any:
@@ -139,6 +140,23 @@ class SFTLoopSection(BaseModel):
         "steps it needs, with epochs / max_steps as the cap. Needs "
         "data.val_path and val_every.",
     )
+    stop_at_val_exact_match: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Stop (checkpoint, export) at the first held-out check where at least this "
+        "fraction of the val conversations is reproduced exactly: every assistant token the "
+        "argmax given the true tokens before it, which under teacher forcing is what greedy "
+        "decoding would write. Judges a skill (copying) by whether it is done, where a mean "
+        "loss can be held up by one long example. Needs data.val_path and val_every.",
+    )
+    require: Require | None = Field(
+        default=None,
+        description="val_exact_match or val_loss: the run must end with the last held-out "
+        "check at its stop_at_ target, else `lockgate sft` exits 1 with a one-line reason "
+        "(the model is still written to final/): a warm start that reached its step cap "
+        "without the skill stops the pipeline that depends on it.",
+    )
     stop_at_train_loss: float | None = Field(
         default=None,
         gt=0,
@@ -157,6 +175,12 @@ class SFTLoopSection(BaseModel):
         "`below`, has not set a new best for `patience` checks: the steps a loss that will "
         "not reach stop_at_val_loss would spend for nothing. Needs data.val_path and val_every.",
     )
+
+    @model_validator(mode="after")
+    def _require_names_a_target(self) -> SFTLoopSection:
+        if self.require is not None and getattr(self, f"stop_at_{self.require}") is None:
+            raise ValueError(f"loop.require: {self.require} needs loop.stop_at_{self.require}")
+        return self
 
 
 class SFTTrainerSection(BaseModel):
@@ -225,7 +249,7 @@ class SFTConfig(BaseModel):
     def _stop_needs_a_held_out_loss(self) -> SFTConfig:
         if self.data.val_path is not None and self.loop.val_every > 0:
             return self
-        for name in ("stop_at_val_loss", "stop_on_plateau"):
+        for name in ("stop_at_val_loss", "stop_at_val_exact_match", "stop_on_plateau", "require"):
             if getattr(self.loop, name) is not None:
                 raise ValueError(f"loop.{name} needs data.val_path and loop.val_every > 0")
         return self

@@ -35,6 +35,7 @@ from lockgate.trainer.loss import sample_weights, token_logprobs
 from lockgate.trainer.model import forward_logits, load_policy, pad_batch
 from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
 from lockgate.trainer.precision import choose_compute_dtype, read_cpu_info
+from lockgate.trainer.protocol import write_atomic
 from lockgate.trainer.rank import (
     die_with_launcher,
     export_model,
@@ -43,7 +44,8 @@ from lockgate.trainer.rank import (
 )
 from lockgate.trainer.sft.config import SFTConfig, SFTLayout
 from lockgate.trainer.sft.data import Example, StepPlan, plan_steps, read_examples
-from lockgate.trainer.sft.stop import stop_reason
+from lockgate.trainer.sft.exact_match import exact_rows
+from lockgate.trainer.sft.stop import requirement_missed, stop_reason
 from lockgate.trainer.step import (
     accumulate_and_step,
     build_optimizer,
@@ -55,6 +57,16 @@ from lockgate.trainer.step import (
 log = logging.getLogger("lockgate.sft")
 
 
+def _forward(
+    policy: torch.nn.Module, examples: Sequence[Example], idx: list[int], world: Distributed
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batch's logits, padded ids and loss mask."""
+    ids = pad_batch([examples[i].input_ids for i in idx], torch.long, world.device)
+    mask = pad_batch([examples[i].loss_mask for i in idx], torch.float32, world.device)
+    lengths = [len(examples[i].input_ids) for i in idx]
+    return forward_logits(policy, ids, lengths, pack=world.pack), ids, mask
+
+
 def _weighted_logprob_sum(
     policy: torch.nn.Module,
     examples: Sequence[Example],
@@ -63,13 +75,9 @@ def _weighted_logprob_sum(
     world: Distributed,
 ) -> torch.Tensor:
     """sum over the micro-batch's trained tokens of weight(sample) * log p(token)."""
-    device = world.device
-    ids = pad_batch([examples[i].input_ids for i in idx], torch.long, device)
-    mask = pad_batch([examples[i].loss_mask for i in idx], torch.float32, device)
-    w = torch.tensor(weights, dtype=torch.float32, device=device)[:, None]
-    lengths = [len(examples[i].input_ids) for i in idx]
-    logprobs = token_logprobs(forward_logits(policy, ids, lengths, pack=world.pack), ids)
-    return (logprobs * mask * w).sum()
+    logits, ids, mask = _forward(policy, examples, idx, world)
+    w = torch.tensor(weights, dtype=torch.float32, device=world.device)[:, None]
+    return (token_logprobs(logits, ids) * mask * w).sum()
 
 
 def sft_step(
@@ -115,22 +123,29 @@ def sft_step(
 
 
 @torch.no_grad()
-def eval_loss(
+def eval_held_out(
     policy: torch.nn.Module, examples: Sequence[Example], config: TrainerConfig, world: Distributed
-) -> float:
-    """The cross-entropy mean over the assistant tokens of `examples`, split across ranks."""
+) -> tuple[float, float]:
+    """The cross-entropy mean over the assistant tokens of `examples`, and the fraction of
+    them (those with an assistant token) reproduced exactly (`exact_match.exact_rows`), split
+    across ranks."""
     policy.eval()
     lengths = [len(e.input_ids) for e in examples]
     indices = list(range(len(examples)))
-    totals = torch.zeros(2, dtype=torch.float64)  # -sum of logprobs, tokens
+    # -sum of logprobs, tokens, conversations matched exactly, conversations with a token.
+    totals = torch.zeros(4, dtype=torch.float64)
     filler = [filler_sample(indices, lengths)]
     for mb in rank_micro_batches(indices, lengths, config.micro_batch_tokens, world):
-        idx = mb if mb is not None else filler
-        w = [1.0 if mb is not None else 0.0] * len(idx)
-        totals[0] -= _weighted_logprob_sum(policy, examples, idx, w, world).double().cpu()
-        totals[1] += sum(sum(examples[i].loss_mask) for i in mb or [])
+        logits, ids, mask = _forward(policy, examples, mb if mb is not None else filler, world)
+        if mb is None:
+            continue  # the filler keeps this rank's collectives in step; it counts nothing
+        totals[0] -= (token_logprobs(logits, ids) * mask).sum().double().cpu()
+        totals[1] += float(mask.sum())
+        scored = mask.sum(dim=1) > 0
+        totals[2] += float((exact_rows(logits, ids, mask) & scored).sum())
+        totals[3] += float(scored.sum())
     dist.all_reduce(totals)
-    return float(totals[0] / totals[1].clamp_min(1.0))
+    return float(totals[0] / totals[1].clamp_min(1.0)), float(totals[2] / totals[3].clamp_min(1.0))
 
 
 class _Progress:
@@ -170,6 +185,8 @@ class _Progress:
         per_step = (time.monotonic() - self.started) / self.done
         eta = int(per_step * (self.total - step))
         val = f" val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+        if "val_exact_match" in metrics:
+            val += f" val_exact_match {metrics['val_exact_match']:.3f}"
         print(
             f"sft step {step}/{self.total} epoch {epoch}: loss {metrics['loss']:.4f}{val} "
             f"lr {metrics['lr']:.2e} {self.window_tokens / max(self.window_s, 1e-9):.0f} tok/s "
@@ -195,17 +212,19 @@ def _plan(config: SFTConfig, examples: Sequence[Example]) -> list[StepPlan]:
 
 def _recorded_losses(
     layout: SFTLayout, through: int, world: Distributed
-) -> tuple[list[float], list[tuple[float, float]]]:
-    """The held-out losses and each step's (training loss, trained tokens) that rank 0
-    recorded up to step `through`, on every rank."""
+) -> tuple[list[float], list[tuple[float, float]], list[float]]:
+    """The held-out losses, each step's (training loss, trained tokens) and the held-out
+    exact matches that rank 0 recorded up to step `through`, on every rank."""
     val: list[float] = []
     steps: list[tuple[float, float]] = []
+    exact: list[float] = []
     if world.is_main and through > 0 and layout.metrics.exists():
         records = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line]
         kept = [r for r in records if r["step"] <= through]
         val = [float(r["sft/val_loss"]) for r in kept if "sft/val_loss" in r]
         steps = [(float(r["sft/loss"]), float(r["sft/trained_tokens"])) for r in kept]
-    shared = [(val, steps)]
+        exact = [float(r["sft/val_exact_match"]) for r in kept if "sft/val_exact_match" in r]
+    shared = [(val, steps, exact)]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
@@ -225,7 +244,8 @@ def _with_compute_dtype(trainer: TrainerConfig, world: Distributed) -> TrainerCo
     return trainer.model_copy(update={"compute_dtype": choice.dtype})
 
 
-def train(config: SFTConfig, *, resume: bool) -> None:
+def train(config: SFTConfig, *, resume: bool) -> str | None:
+    """Run the plan (or resume it); why the run fails `loop.require`, or None."""
     layout = config.layout
     trainer = config.trainer.to_trainer_config(config.model_dir)
     world = init_distributed(trainer.device, trainer.micro_batch_packing)
@@ -251,14 +271,14 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         optimizer=optimizer,
         world=world,
     )
-    losses, steps = _recorded_losses(layout, start, world)
+    losses, steps, exact = _recorded_losses(layout, start, world)
     progress = _Progress(layout, start, len(plan), config.loop.log_every) if world.is_main else None
     every = config.loop.val_every
     # A run that stopped early checkpointed the step it stopped at: resumed from there, the
     # losses recorded up to it say stop again (from an earlier checkpoint they cannot, or the
     # run would have stopped there).
     last = start
-    reason = stop_reason(losses, config.loop, steps) if start else None
+    reason = stop_reason(losses, config.loop, steps, exact) if start else None
     end = start if reason else len(plan)
     for step in range(start + 1, end + 1):
         started = time.perf_counter()
@@ -266,9 +286,12 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         metrics = sft_step(policy, optimizer, batch, step, trainer, world)
         steps.append((metrics["loss"], metrics["trained_tokens"]))
         if val and ((every and step % every == 0) or step == len(plan)):
-            metrics["val_loss"] = eval_loss(policy, val, trainer, world)
+            metrics["val_loss"], metrics["val_exact_match"] = eval_held_out(
+                policy, val, trainer, world
+            )
             losses.append(metrics["val_loss"])
-        reason = stop_reason(losses, config.loop, steps)
+            exact.append(metrics["val_exact_match"])
+        reason = stop_reason(losses, config.loop, steps, exact)
         if progress is not None:
             progress.record(step, plan[step - 1].epoch, metrics, time.perf_counter() - started)
         last = step
@@ -285,6 +308,7 @@ def train(config: SFTConfig, *, resume: bool) -> None:
         why = f" ({reason})" if reason else ""
         print(f"sft done: {last} steps{why}, model in {layout.final}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
+    return requirement_missed(losses, exact, config.loop, last)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,10 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = SFTConfig.model_validate_json(args.config.read_text())
     try:
-        train(config, resume=args.resume)
+        missed = train(config, resume=args.resume)
     except Exception as exc:
         record_failure(config.layout.failed, exc)
         raise
+    if missed is not None:
+        # Every rank reached the same verdict from the same all-reduced checks; the launcher
+        # reports this line as the run's failure.
+        write_atomic(config.layout.failed, missed + "\n")
+        return 1
     return 0
 
 

@@ -1,5 +1,6 @@
-"""When a supervised run stops before its planned steps: pure rules over the recorded losses
-(held-out, and the training loss of each step).
+"""When a supervised run stops before its planned steps, and whether it reached what it was
+required to: pure rules over the recorded held-out checks (loss and exact match) and the
+training loss of each step.
 
 Every rank reaches the same answer from the same all-reduced losses, so they stop together; a
 resumed run feeds the losses recorded up to its checkpoint and, if the run had stopped there,
@@ -41,9 +42,11 @@ def stop_reason(
     losses: Sequence[float],
     loop: SFTLoopSection,
     steps: Sequence[tuple[float, float]] = (),
+    exact: Sequence[float] = (),
 ) -> str | None:
-    """Why the run stops after the last of `losses` (held-out) and `steps` (each step's
-    training loss and trained tokens), or None to go on."""
+    """Why the run stops after the last of `losses` (held-out), `steps` (each step's training
+    loss and trained tokens) and `exact` (held-out exact match, one per held-out check), or
+    None to go on."""
     if loop.stop_at_train_loss is not None:
         mean = windowed_loss(steps, loop.train_loss_window)
         if mean is not None and mean <= loop.stop_at_train_loss:
@@ -51,6 +54,9 @@ def stop_reason(
                 f"training loss over the last {loop.train_loss_window} steps {mean:.4f}, at or "
                 f"below {loop.stop_at_train_loss}"
             )
+    target = loop.stop_at_val_exact_match
+    if target is not None and exact and exact[-1] >= target:
+        return f"held-out exact match {exact[-1]:.3f}, at or above {target}"
     if not losses:
         return None
     if loop.stop_at_val_loss is not None and losses[-1] <= loop.stop_at_val_loss:
@@ -62,3 +68,25 @@ def stop_reason(
             f"{rule.min_improvement:.0%} lower in {rule.patience} checks"
         )
     return None
+
+
+def requirement_missed(
+    losses: Sequence[float], exact: Sequence[float], loop: SFTLoopSection, step: int
+) -> str | None:
+    """Why a run that ended at `step` fails `loop.require` (one line), or None when it holds
+    or nothing is required. Judged on the last held-out check, the one the final model had."""
+    if loop.require is None:
+        return None
+    if loop.require == "val_exact_match":
+        target, values, name = loop.stop_at_val_exact_match, exact, "held-out exact match"
+        reached = bool(values) and target is not None and values[-1] >= target
+    else:
+        target, values, name = loop.stop_at_val_loss, losses, "held-out loss"
+        reached = bool(values) and target is not None and values[-1] <= target
+    if reached:
+        return None
+    last = f"{values[-1]:.3f}" if values else "never measured"
+    return (
+        f"{name} {last} when the run ended at step {step}, short of "
+        f"loop.stop_at_{loop.require} {target} (loop.require: {loop.require})"
+    )

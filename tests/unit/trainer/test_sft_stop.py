@@ -1,12 +1,12 @@
-"""When `lockgate sft` stops early: the rules over held-out and training losses
-(trainer/sft/stop.py)."""
+"""When `lockgate sft` stops early, and when it fails what it was required to reach: the rules
+over held-out checks and training losses (trainer/sft/stop.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lockgate.trainer.sft.config import PlateauStop, SFTLoopSection
-from lockgate.trainer.sft.stop import plateaued, stop_reason, windowed_loss
+from lockgate.trainer.sft.config import PlateauStop, SFTConfig, SFTLoopSection
+from lockgate.trainer.sft.stop import plateaued, requirement_missed, stop_reason, windowed_loss
 
 # Seed 0's copy drills of the DeepResearch CPU recipe, every 50 steps from step 50: a long
 # first plateau near 2.6-3.4, a fall, then 0.08-0.11 until the 1,200-step cap.
@@ -81,3 +81,43 @@ def test_the_training_loss_stop_fires_on_its_window_before_any_held_out_rule() -
 def test_rules_out_of_range_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         PlateauStop.model_validate(bad)
+
+
+def test_the_exact_match_stop_fires_on_the_last_check_at_or_above_its_target() -> None:
+    loop = SFTLoopSection(stop_at_val_exact_match=0.95)
+    assert stop_reason([2.0, 0.5], loop, exact=[0.0, 0.94]) is None
+    assert stop_reason([2.0, 0.5, 0.4], loop, exact=[0.0, 0.94, 0.95]) == (
+        "held-out exact match 0.950, at or above 0.95"
+    )
+    # One long example that holds a mean loss up costs exact match only its share.
+    assert stop_reason([0.5], loop.model_copy(update={"stop_at_val_loss": 0.03}), exact=[0.97])
+    assert stop_reason([0.5], SFTLoopSection(), exact=[1.0]) is None  # no rule, no stop
+
+
+def test_a_required_target_missed_at_the_end_is_one_line_naming_the_rule() -> None:
+    loop = SFTLoopSection(stop_at_val_exact_match=0.95, require="val_exact_match")
+    assert requirement_missed([0.1], [0.96], loop, step=700) is None
+    missed = requirement_missed([0.1, 0.08], [0.5, 0.81], loop, step=1200)
+    assert missed == (
+        "held-out exact match 0.810 when the run ended at step 1200, short of "
+        "loop.stop_at_val_exact_match 0.95 (loop.require: val_exact_match)"
+    )
+    assert "\n" not in missed
+    # Judged on the last check, the one the final model had, not the best.
+    assert requirement_missed([0.1, 0.1], [0.96, 0.90], loop, step=10) is not None
+    by_loss = SFTLoopSection(stop_at_val_loss=0.03, require="val_loss")
+    assert requirement_missed([0.05, 0.02], [], by_loss, step=9) is None
+    assert "held-out loss 0.050" in str(requirement_missed([0.02, 0.05], [], by_loss, step=9))
+    assert "never measured" in str(requirement_missed([], [], by_loss, step=0))
+    assert requirement_missed([9.0], [0.0], SFTLoopSection(), step=1) is None  # nothing asked
+
+
+def test_a_requirement_needs_its_target_and_a_held_out_set() -> None:
+    with pytest.raises(ValueError, match=r"needs loop\.stop_at_val_exact_match"):
+        SFTLoopSection(require="val_exact_match")
+    with pytest.raises(ValueError):
+        SFTLoopSection(stop_at_val_exact_match=1.01)
+    with pytest.raises(ValueError, match=r"loop\.stop_at_val_exact_match needs data\.val_path"):
+        SFTConfig.model_validate(
+            {"data": {"path": "x.jsonl"}, "loop": {"stop_at_val_exact_match": 0.9}}
+        )
