@@ -155,6 +155,12 @@ class TrainerConfig(BaseModel):
     keep_snapshots: int = Field(
         default=3, ge=2, description="Weight snapshots kept on disk (older ones are deleted)."
     )
+    weights: Literal["disk", "collective"] = Field(
+        default="disk",
+        description="How a step's weights leave the trainer: disk (a snapshot in the run dir) "
+        "or collective (kept in rank 0's memory and streamed to the replicas when the "
+        "coordinator asks; trainer/weights_sender.py). Set from sync.transport at launch.",
+    )
 
     checkpoint_every: int = Field(
         default=0,

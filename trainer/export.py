@@ -54,12 +54,20 @@ def write_snapshot(
     out_dir: Path,
     layout: ExportLayout | None = None,
 ) -> Path:
+    stored, metadata = _to_store(state_dict, layout)
+    return _publish(stored, metadata, source_dir, out_dir)
+
+
+def _to_store(
+    state_dict: Mapping[str, torch.Tensor], layout: ExportLayout | None
+) -> tuple[dict[str, torch.Tensor | _Joined], dict[str, str]]:
+    """The tensors to store (on the CPU, joined where `layout` says) and the file's metadata."""
     tensors = {k: v.detach().to("cpu") for k, v in state_dict.items()}
     metadata = {"format": "pt"}
     stored, listed = _transpose(tensors, layout or ExportLayout())
     if listed:
         metadata[TRANSPOSED_KEY] = json.dumps(listed)
-    return _publish(stored, metadata, source_dir, out_dir)
+    return stored, metadata
 
 
 def to_hf(snapshot: Path, out_dir: Path) -> Path:
@@ -165,13 +173,44 @@ def _publish(
     return out_dir
 
 
+def snapshot_image(
+    state_dict: Mapping[str, torch.Tensor], layout: ExportLayout | None = None
+) -> torch.Tensor:
+    """The bytes of the safetensors file `write_snapshot` would write, as one uint8 tensor in
+    memory: what the collective transport sends (trainer/weights_sender.py)."""
+    stored, metadata = _to_store(state_dict, layout)
+    names, raw, nbytes = _header(stored, metadata)
+    image = torch.empty(8 + len(raw) + nbytes, dtype=torch.uint8)
+    image[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(raw))), dtype=torch.uint8)
+    image[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    offset = 8 + len(raw)
+    for name in names:
+        data = _bytes_of(stored[name])
+        image[offset : offset + len(data)] = data
+        offset += len(data)
+    return image
+
+
 def _save(
     tensors: Mapping[str, torch.Tensor | _Joined], metadata: dict[str, str], path: Path
 ) -> None:
     """A safetensors file written tensor by tensor straight from memory: safetensors'
     `save_file` first copies every tensor into a bytes object, and a joined layer is built
-    only as it is written. Ordered as `save_file` orders them (widest dtype first, then by
-    name), so each tensor stays aligned to its dtype and gate_proj is followed by up_proj."""
+    only as it is written."""
+    names, raw, _ = _header(tensors, metadata)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            f.write(_bytes_of(tensors[name]).numpy())
+
+
+def _header(
+    tensors: Mapping[str, torch.Tensor | _Joined], metadata: dict[str, str]
+) -> tuple[list[str], bytes, int]:
+    """The tensors' order, the file's header (padded) and their bytes in all. Ordered as
+    `save_file` orders them (widest dtype first, then by name), so each tensor stays aligned
+    to its dtype and gate_proj is followed by up_proj."""
     names = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -186,13 +225,12 @@ def _save(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts aligned, as safetensors pads it
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in names:
-            tensor = tensors[name]
-            data = tensor.transposed() if isinstance(tensor, _Joined) else tensor.contiguous()
-            f.write(data.reshape(-1).view(torch.uint8).numpy())
+    return names, raw, offset
+
+
+def _bytes_of(tensor: torch.Tensor | _Joined) -> torch.Tensor:
+    data = tensor.transposed() if isinstance(tensor, _Joined) else tensor.contiguous()
+    return data.reshape(-1).view(torch.uint8)
 
 
 _SAFETENSORS_DTYPES = {

@@ -19,6 +19,13 @@ start-up, say: a missing GPU, an unreadable model dir), so the coordinator can s
 linear weights to store in the replicas' kernel layout; rank 0 reads it at every export, so a
 snapshot follows the newest one. Without it snapshots are in HF layout.
 
+With the collective weights transport (`weights: collective` in the trainer's config) a step
+writes no snapshot: rank 0 keeps the step's weights in memory, as the bytes of the safetensors
+file it would have written, and streams them to the replicas when the coordinator asks, by
+writing `sync/send_{k}.json` (a `SendWeights`). Rank 0 answers `sync/sent_{k}.json` (a
+`WeightsSent`) or `sync/sent_{k}.error`, from a thread of its own, so a send overlaps the next
+step's training. The wire itself is described in trainer/weights_sender.py.
+
 `ready` appears once every rank holds the model. It reads "WORLD_SIZE RESUMED_STEP" (see
 `ready_text` / `parse_ready`). RESUMED_STEP is 0 for a fresh start, or N when the trainer was
 started with `resume: true` and found its newest checkpoint, `checkpoints/step_N`. Either way
@@ -31,8 +38,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 READY = "ready"
 STOP = "STOP"
@@ -93,6 +101,47 @@ def export_layout(run_dir: Path) -> ExportLayout | None:
         return ExportLayout.model_validate_json((run_dir / EXPORT_LAYOUT).read_text())
     except FileNotFoundError:
         return None
+
+
+class CollectiveGroup(BaseModel):
+    """The torch.distributed group the weights travel over: trainer rank 0 (rank 0, hosting
+    the group's TCP store at `address`:`port`) and one rank per replica (1 + its place among
+    the gateway's replicas). The gateway re-declares it (gateway/schema.py
+    `CollectiveWeights`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    address: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float = Field(gt=0)
+
+
+class SendWeights(BaseModel):
+    """The coordinator's request: send step `step`'s weights over `group`."""
+
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=0)
+    group: CollectiveGroup
+
+
+class WeightsSent(BaseModel):
+    step: int
+    bytes: int
+    join_s: float  # forming the group (0 once formed)
+    send_s: float
+
+
+def send_request_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "sync" / f"send_{step}.json"
+
+
+def sent_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "sync" / f"sent_{step}.json"
+
+
+def send_error_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "sync" / f"sent_{step}.error"
 
 
 def committed_step(run_dir: Path) -> int:

@@ -34,12 +34,17 @@ def export_model(
 ) -> None:
     """Collective: write the sharded model's full weights as a snapshot at `out` beside
     `source_dir`'s config and tokenizer files (HF layout unless `layout` says otherwise)."""
-    # Every rank takes part in gathering the full state dict; only rank 0 receives and writes it.
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    state = full_state_dict(model)
     if world.is_main:
         write_snapshot(state, source_dir, out, layout)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the sharded model's full weights on the CPU, on rank 0 (every rank takes
+    part in gathering them; the others get an empty dict)."""
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def restore_or_clear(

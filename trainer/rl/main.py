@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import time
 import traceback
@@ -27,12 +28,19 @@ from lockgate.trainer.checkpoint import (
     save_checkpoint,
 )
 from lockgate.trainer.config import TrainerConfig
-from lockgate.trainer.export import prune_snapshots
+from lockgate.trainer.export import prune_snapshots, snapshot_image
 from lockgate.trainer.model import load_policy
 from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
 from lockgate.trainer.precision import choose_compute_dtype, read_cpu_info
-from lockgate.trainer.rank import die_with_launcher, export_model, record_failure, restore_or_clear
+from lockgate.trainer.rank import (
+    die_with_launcher,
+    export_model,
+    full_state_dict,
+    record_failure,
+    restore_or_clear,
+)
 from lockgate.trainer.step import build_optimizer, train_step
+from lockgate.trainer.weights_sender import WeightsSender
 
 log = logging.getLogger("lockgate.trainer")
 _POLL_S = 0.02
@@ -68,14 +76,26 @@ def _next_action(run_dir: Path, step: int, due: int, world: Distributed) -> Next
 
 
 def _export(
-    model: torch.nn.Module, config: TrainerConfig, run_dir: Path, step: int, world: Distributed
-) -> Path:
-    out = protocol.snapshot_dir(run_dir, step)
+    model: torch.nn.Module,
+    config: TrainerConfig,
+    run_dir: Path,
+    step: int,
+    world: Distributed,
+    sender: WeightsSender | None,
+) -> str:
+    """Collective: step's weights where the replicas will take them from: a snapshot (its
+    path), or with the collective transport the image rank 0 holds for the sender (no path)."""
     layout = protocol.export_layout(run_dir) if world.is_main else None
+    if config.weights == "collective":
+        state = full_state_dict(model)
+        if sender is not None:
+            sender.hold(step, snapshot_image(state, layout))
+        return ""
+    out = protocol.snapshot_dir(run_dir, step)
     export_model(model, config.model_dir, out, world, layout)
     if world.is_main:
         prune_snapshots(out.parent, config.keep_snapshots, step)
-    return out
+    return str(out)
 
 
 def _reference_model(config: TrainerConfig, world: Distributed) -> torch.nn.Module | None:
@@ -96,15 +116,16 @@ def _train_one(
     run_dir: Path,
     step: int,
     world: Distributed,
+    sender: WeightsSender | None,
 ) -> StepResult:
     batch = TrainBatch.model_validate_json(protocol.batch_path(run_dir, step).read_text())
     if batch.step != step:
         raise ValueError(f"batch file of step {step} holds step {batch.step}")
     metrics = train_step(policy, optimizer, batch, config, world, reference)
     started = time.perf_counter()
-    weights = _export(policy, config, run_dir, step, world)
+    weights = _export(policy, config, run_dir, step, world, sender)
     metrics["export_time_s"] = time.perf_counter() - started
-    return StepResult(step=step, weights_dir=str(weights), metrics=metrics)
+    return StepResult(step=step, weights_dir=weights, metrics=metrics)
 
 
 def _start_rank(config: TrainerConfig, world: Distributed) -> TrainerConfig:
@@ -145,20 +166,11 @@ def serve(run_dir: Path) -> None:
         optimizer=optimizer,
         world=world,
     )
+    sender = _weights_sender(config, run_dir, world)
     if resumed:
         # The snapshot of step N may have been pruned since; the coordinator syncs replicas to it.
-        _export(policy, config, run_dir, resumed, world)
-    dist.barrier()
-    if world.is_main:
-        protocol.write_atomic(
-            run_dir / protocol.READY, protocol.ready_text(world.world_size, resumed)
-        )
-        log.info(
-            "trainer ready: %d rank(s) on %s, next step %d",
-            world.world_size,
-            world.device.type,
-            resumed + 1,
-        )
+        _export(policy, config, run_dir, resumed, world, sender)
+    _announce_ready(run_dir, world, resumed)
 
     step, due = resumed + 1, 0
     checkpoint_s: float | None = None  # the last checkpoint's time, reported with the next step
@@ -181,7 +193,7 @@ def serve(run_dir: Path) -> None:
             )
             due = 0
         try:
-            result = _train_one(policy, reference, optimizer, config, run_dir, step, world)
+            result = _train_one(policy, reference, optimizer, config, run_dir, step, world, sender)
         except Exception:
             protocol.write_atomic(
                 protocol.error_path(run_dir, step), f"rank {world.rank}:\n{traceback.format_exc()}"
@@ -202,7 +214,36 @@ def serve(run_dir: Path) -> None:
         step += 1
     if due:
         log.info("stopping with step %d uncommitted: no checkpoint of it", due)
+    if sender is not None:
+        sender.stop()
     dist.destroy_process_group()
+
+
+def _announce_ready(run_dir: Path, world: Distributed, resumed: int) -> None:
+    """Collective: once every rank holds the model, rank 0 says so (protocol.py `ready`)."""
+    dist.barrier()
+    if world.is_main:
+        protocol.write_atomic(
+            run_dir / protocol.READY, protocol.ready_text(world.world_size, resumed)
+        )
+        log.info(
+            "trainer ready: %d rank(s) on %s, next step %d",
+            world.world_size,
+            world.device.type,
+            resumed + 1,
+        )
+
+
+def _weights_sender(
+    config: TrainerConfig, run_dir: Path, world: Distributed
+) -> WeightsSender | None:
+    """Rank 0's sender of the collective transport, serving requests; None elsewhere."""
+    if config.weights != "collective" or not world.is_main:
+        return None
+    shutil.rmtree(protocol.send_request_path(run_dir, 0).parent, ignore_errors=True)
+    sender = WeightsSender(run_dir)
+    sender.start()
+    return sender
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,169 @@
+"""The trainer side of the `collective` weights transport: rank 0 streams a step's weights into
+every replica's worker over a torch.distributed group, with no file written.
+
+After each step the ranks gather the full state dict (FSDP2, as for a snapshot) and rank 0
+keeps it as an image: the bytes of the safetensors file `write_snapshot` would have written
+(trainer/export.py `snapshot_image`, in the layout the replicas asked for). When the coordinator
+asks for a step's weights (protocol.py `SendWeights`), a thread of rank 0 sends that image, so
+the send overlaps the next step's training; the image of the next step replaces it only once a
+send in progress has ended.
+
+The group: rank 0 is this rank, which hosts the group's TCP store at the given address and
+port; the replicas' workers are ranks 1..N (gateway/vllm_ext/collective_load.py). It is formed
+at the first send (every member constructs it at once: the gateway asks the replicas to receive
+while the coordinator asks for the send) and kept for the run. The backend follows the device:
+gloo for CPU tensors, NCCL for CUDA ones (the image is then moved to this rank's GPU first);
+one code path, only the backend's name differs.
+
+The wire, per version, every message a broadcast from rank 0: an int64 tensor [image bytes,
+version, chunk bytes], then the image in chunks of that many bytes (the last one shorter).
+Every collective runs under the group's timeout: a replica that dies mid-transfer fails the send
+(and the sync) within `timeout_s` rather than hanging the trainer; the group is then dropped and
+formed again at the next send.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lockgate.trainer import protocol
+from lockgate.trainer.protocol import CollectiveGroup, SendWeights, WeightsSent
+
+log = logging.getLogger(__name__)
+
+# The store prefix every member uses (gateway/vllm_ext/collective_load.py names it too).
+STORE_PREFIX = "lockgate-weights"
+# Bytes per broadcast: bounds the buffers gloo stages for one message.
+CHUNK_BYTES = 64 << 20
+_POLL_S = 0.02
+
+
+def wire_head(image_bytes: int, version: int, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
+    """The first message of a version: what the receivers allocate and check."""
+    return [image_bytes, version, chunk_bytes]
+
+
+def chunks(image_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of the image's broadcasts, in order."""
+    return [(s, min(s + chunk_bytes, image_bytes)) for s in range(0, image_bytes, chunk_bytes)]
+
+
+class _Group:
+    """Rank 0's member of the weights group, with the store it hosts."""
+
+    def __init__(self, spec: CollectiveGroup) -> None:
+        self.spec = spec
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        self.store = dist.TCPStore(
+            spec.address,
+            spec.port,
+            spec.world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
+        if spec.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(
+                prefixed, 0, spec.world_size, options
+            )
+        else:
+            self.group = dist.ProcessGroupGloo(prefixed, 0, spec.world_size, timeout)
+
+    def send(self, image: torch.Tensor, version: int) -> None:
+        if self.spec.backend == "nccl":
+            image = image.to(torch.device("cuda", torch.cuda.current_device()))
+        head = torch.tensor(wire_head(len(image), version), dtype=torch.int64, device=image.device)
+        self.group.broadcast([head]).wait()
+        for start, end in chunks(len(image)):
+            self.group.broadcast([image[start:end]]).wait()
+
+
+class WeightsSender:
+    """Rank 0's held image and the thread that sends it when asked."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._lock = threading.Lock()  # held while an image is sent or replaced
+        self._held: tuple[int, torch.Tensor] | None = None
+        self._group: _Group | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weights-sender", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def hold(self, step: int, image: torch.Tensor) -> None:
+        """Keep step's image for the next request (waits for a send in progress)."""
+        with self._lock:
+            self._held = (step, image)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            step = self._waiting_request()
+            if step is None:
+                time.sleep(_POLL_S)
+                continue
+            path = protocol.send_request_path(self.run_dir, step)
+            try:
+                request = SendWeights.model_validate_json(path.read_text())
+                sent = self.send(request)
+            except Exception:
+                log.exception("sending step %d's weights failed", step)
+                protocol.write_atomic(
+                    protocol.send_error_path(self.run_dir, step), traceback.format_exc()
+                )
+            else:
+                protocol.write_atomic(
+                    protocol.sent_path(self.run_dir, step), sent.model_dump_json()
+                )
+            path.unlink(missing_ok=True)
+
+    def _waiting_request(self) -> int | None:
+        """The step of a request waiting in the run dir (the newest), or None."""
+        folder = protocol.send_request_path(self.run_dir, 0).parent
+        steps = [
+            int(p.stem.removeprefix("send_"))
+            for p in folder.glob("send_*.json")
+            if p.stem.removeprefix("send_").isdigit()
+        ]
+        return max(steps) if steps else None
+
+    def send(self, request: SendWeights) -> WeightsSent:
+        """Send the held image of `request.step` over `request.group` (formed if need be)."""
+        with self._lock:
+            if self._held is None or self._held[0] != request.step:
+                held = None if self._held is None else self._held[0]
+                raise RuntimeError(f"asked for step {request.step}'s weights; rank 0 holds {held}")
+            image = self._held[1]
+            started = time.perf_counter()
+            if self._group is None or self._group.spec != request.group:
+                self._group = None
+                self._group = _Group(request.group)
+            joined = time.perf_counter()
+            try:
+                self._group.send(image, request.step)
+            except BaseException:
+                # Receivers may be part way through: this group cannot be trusted again.
+                self._group = None
+                raise
+            return WeightsSent(
+                step=request.step,
+                bytes=len(image),
+                join_s=joined - started,
+                send_s=time.perf_counter() - joined,
+            )
