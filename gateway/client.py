@@ -17,6 +17,7 @@ import httpx
 from lockgate.gateway.aiohttp_transport import AiohttpTransport
 from lockgate.gateway.schema import (
     CallRecord,
+    CollectiveWeights,
     CompleteGroups,
     CreatedSession,
     GatewayStatus,
@@ -68,10 +69,18 @@ class GatewayClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, body: Any = None, retries: int = 0) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        retries: int = 0,
+        timeout_s: float | None = None,
+    ) -> Any:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         for attempt in range(retries + 1):
             try:
-                resp = await self._http.request(method, path, json=body)
+                resp = await self._http.request(method, path, json=body, timeout=timeout)
                 break
             except httpx.TransportError:
                 if attempt == retries:
@@ -144,6 +153,16 @@ class GatewayClient:
     async def load_weights(self, path: str, version: int) -> LoadReport:
         """Disk transport: every replica reloads the snapshot at `path`, then is verified."""
         data = await self._request("POST", "/admin/weights", {"path": path, "version": version})
+        return LoadReport.model_validate(data)
+
+    async def load_collective(self, source: CollectiveWeights, version: int) -> LoadReport:
+        """Collective transport: every replica receives `version` from trainer rank 0 over the
+        group `source` names (the trainer must be sending meanwhile), then is verified. Waits
+        as long as the replicas may take (three times the group's timeout)."""
+        body = {"version": version, "source": source.model_dump()}
+        data = await self._request(
+            "POST", "/admin/weights", body, timeout_s=3 * source.timeout_s + 30
+        )
         return LoadReport.model_validate(data)
 
     async def stage_weights(self, path: str, slice_s: float = 0.2) -> StageReport:

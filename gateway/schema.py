@@ -360,12 +360,32 @@ class NcclWeights(BaseModel):
     )
 
 
-WeightSource = Annotated[DiskWeights | NcclWeights, Field(discriminator="transport")]
+class CollectiveWeights(BaseModel):
+    """Weights streamed by trainer rank 0 over a torch.distributed group every replica's
+    worker joins (sync/weights.py `CollectiveTransport`); the trainer's own declaration of the
+    group is trainer/protocol.py `CollectiveGroup`, field for field."""
+
+    model_config = ConfigDict(extra="forbid")
+    transport: Literal["collective"]
+    address: str = Field(min_length=1, description="Where trainer rank 0 hosts the group's store.")
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(
+        ge=2, description="1 (the trainer) + the gateway's replicas, each one rank."
+    )
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float = Field(
+        gt=0, description="Every step of the transfer (joining, each message) fails after this."
+    )
+
+
+WeightSource = Annotated[
+    DiskWeights | NcclWeights | CollectiveWeights, Field(discriminator="transport")
+]
 
 
 class LoadWeights(BaseModel):
-    """`{"version": 3, "path": DIR}` (disk, the default) or `{"version", "transport": "nccl",
-    "update_info"}`."""
+    """`{"version": 3, "path": DIR}` (disk, the default), `{"version", "transport": "nccl",
+    "update_info"}` or `{"version", "transport": "collective", "address", "port", ...}`."""
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)

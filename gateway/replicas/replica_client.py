@@ -200,14 +200,17 @@ class ReplicaClient:
         *,
         method: str = "POST",
         params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> Any:
+        """`timeout_s`: for a call known to take longer than an admin call's usual bound."""
+        timeout = _ADMIN_TIMEOUT if timeout_s is None else httpx.Timeout(timeout_s, connect=5.0)
         # Every admin call is safe to repeat (pause, resume, reload the same snapshot, set a
         # label), and a kept-alive connection the replica closed after an error answer fails
         # on first use: one retry on a transport error.
         for attempt in (1, 2):
             try:
                 resp = await self._http.request(
-                    method, f"{self.url}{path}", json=payload, params=params, timeout=_ADMIN_TIMEOUT
+                    method, f"{self.url}{path}", json=payload, params=params, timeout=timeout
                 )
                 break
             except httpx.TransportError as exc:

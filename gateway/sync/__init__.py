@@ -3,7 +3,8 @@
 - `controller.py`: `SyncController`: (stage,) pause (abort | keep | drain), load + verify,
   resume
 - `weights.py`: the transports behind one interface: `disk` snapshots (loaded directly by the
-  worker extension, else by vLLM's `reload_weights`) and `nccl`
+  worker extension, else by vLLM's `reload_weights`), `collective` (trainer rank 0 streams
+  them over a torch.distributed group the replicas' workers join) and `nccl`
 
 May import: replicas, the foundation, and of vllm_ext only `snapshot_header` (torch-free).
 """

@@ -34,6 +34,7 @@ from lockgate.gateway.replicas.pause import PauseGate
 from lockgate.gateway.replicas.pool import ReplicaPool
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
 from lockgate.gateway.schema import (
+    CollectiveWeights,
     LoadReport,
     PauseMode,
     PauseReport,
@@ -275,7 +276,7 @@ class SyncController:
             if self.gate.state != "paused":
                 raise conflict("pause the gateway before loading weights")
             started = time.perf_counter()
-            transport = transport_for(source)
+            transport = transport_for(source, [c.url for c in self.pool.clients], version)
             clients = self.pool.reachable_clients()
             results = await asyncio.gather(
                 *(self._load_one(transport, c, version) for c in clients), return_exceptions=True
@@ -318,8 +319,8 @@ class SyncController:
         no known version until it loads a whole snapshot again. Used only when no replica took
         the new version: without it the gateway could not resume the old one.
         """
-        if self._current is None:
-            return []
+        if self._current is None or isinstance(self._current, CollectiveWeights):
+            return []  # a collective source has no sender outside a sync: nothing to take
         transport = transport_for(self._current)
         clients = [c for c in self.pool.reachable_clients() if c.url in failed]
         results = await asyncio.gather(

@@ -18,6 +18,17 @@
   on this CPU-only project's CI: it is written to the same interface and documented as
   untested here.
 
+- `collective` (no shared volume): trainer rank 0 streams the weights over a torch.distributed
+  group that every replica's worker joins (gloo on CPU, NCCL on CUDA: one code path). The
+  gateway asks each replica, all at once, to receive (`lockgate_collective_receive`, the worker
+  extension in vllm_ext/collective_load.py) while the coordinator asks the trainer to send; a
+  replica is rank 1 + its place among the gateway's replicas, so the group has one rank per
+  replica and the gateway refuses a load whose group is sized for another count. The RPC is
+  bounded by three times the group's timeout (joining, the transfer and the load are each
+  bounded by it on the replica), so a replica or trainer that dies mid-transfer fails the load
+  instead of hanging the sync. Nothing can be restored from it after a failed load (there is no
+  sender then), so the controller does not try.
+
 Whatever the transport, a load then resets the replica's prefix cache (KV computed under the old
 weights must not be reused) and sets the engine's version label, which the controller reads
 back to verify the replica really serves the new version.
@@ -25,18 +36,22 @@ back to verify the replica really serves the new version.
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
-from lockgate.gateway.schema import DiskWeights, NcclWeights, StagedReplica
+from lockgate.gateway.schema import CollectiveWeights, DiskWeights, NcclWeights, StagedReplica
 from lockgate.gateway.vllm_ext.snapshot_header import stores_transposed
 
 log = logging.getLogger(__name__)
 
-# The worker extension behind the direct load (gateway/vllm_ext/snapshot_load.py) and its RPC methods.
-SNAPSHOT_LOAD_EXTENSION = "lockgate.gateway.vllm_ext.snapshot_load.SnapshotLoad"
+# The worker extension the launcher passes: the direct load (gateway/vllm_ext/snapshot_load.py)
+# with the collective receive (vllm_ext/collective_load.py) added; and its RPC methods.
+SNAPSHOT_LOAD_EXTENSION = "lockgate.gateway.vllm_ext.collective_load.CollectiveLoad"
+_RECEIVE_METHOD = "lockgate_collective_receive"
 _READY_METHOD = "lockgate_snapshot_load_ready"
 _LOAD_METHOD = "lockgate_load_snapshot"
 _STAGE_METHOD = "lockgate_stage_snapshot"
@@ -155,6 +170,32 @@ async def kernel_layout(replica: ReplicaClient) -> dict[str, list[str]]:
     return replica.kernel_layout
 
 
+class CollectiveTransport(WeightTransport):
+    def __init__(self, source: CollectiveWeights, members: Sequence[str], version: int) -> None:
+        self.source = source
+        self.members = list(members)  # every replica of the gateway, in rank order
+        self.version = version
+
+    async def load(self, replica: ReplicaClient) -> None:
+        if len(self.members) + 1 != self.source.world_size:
+            raise ReplicaUnavailable(
+                f"the weights group has {self.source.world_size - 1} replica rank(s); the "
+                f"gateway has {len(self.members)} replica(s)"
+            )
+        spec = self.source.model_dump(exclude={"transport"})
+        spec.update(rank=self.members.index(replica.url) + 1, version=self.version)
+        answer = await replica.call_admin(
+            "/collective_rpc",
+            {"method": _RECEIVE_METHOD, "args": [json.dumps(spec)]},
+            timeout_s=3 * self.source.timeout_s,
+        )
+        results = answer.get("results") if isinstance(answer, dict) else None
+        # One worker per replica: the image holds full tensors (vllm_ext/collective_load.py).
+        if not results or len(results) != 1 or not results[0].get("loaded"):
+            raise ReplicaUnavailable(f"{replica.url}: no collective load: {results}")
+        log.info("%s: received version %d %s", replica.url, self.version, results[0])
+
+
 class NcclTransport(WeightTransport):
     def __init__(self, source: NcclWeights) -> None:
         self.update_info = source.update_info
@@ -165,7 +206,15 @@ class NcclTransport(WeightTransport):
         await replica.call_admin("/finish_weight_update")
 
 
-def transport_for(source: DiskWeights | NcclWeights) -> WeightTransport:
+def transport_for(
+    source: DiskWeights | NcclWeights | CollectiveWeights,
+    members: Sequence[str] = (),
+    version: int = 0,
+) -> WeightTransport:
+    """The transport of `source`; `members` (the gateway's replicas, in order) and `version`
+    (the one being loaded) matter to the collective transport only."""
     if isinstance(source, DiskWeights):
         return DiskTransport(source)
+    if isinstance(source, CollectiveWeights):
+        return CollectiveTransport(source, members, version)
     return NcclTransport(source)

@@ -87,37 +87,57 @@ def open_snapshot(path: Path) -> Snapshot:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     snap = Snapshot()
-    for index, file in enumerate(files):
+    for file in files:
         with file.open("rb") as f:
             # A private mapping is writable as far as torch can tell (no warning for a
             # read-only buffer) and nothing here writes to it, so it stays the page cache.
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         snap._maps.append(m)
-        (header_len,) = struct.unpack("<Q", m[:8]) if len(m) >= 8 else (len(m),)
-        if 8 + header_len > len(m):
-            m.close()
-            snap.close()
-            raise ValueError(f"{file} is not a safetensors file (header past its end)")
-        header = json.loads(m[8 : 8 + header_len])
-        base = 8 + header_len
-        snap.files.append(torch.frombuffer(m, dtype=torch.uint8))
         try:
-            snap.transposed.update(transposed_entries(header.get("__metadata__") or {}))
-        except ValueError as exc:
+            _index_file(snap, torch.frombuffer(m, dtype=torch.uint8), str(file))
+        except ValueError:
             snap.close()
-            raise ValueError(f"{file}: {exc}") from exc
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            if entry["dtype"] not in _DTYPES:
-                snap.close()
-                raise ValueError(f"{file}: {name} has unsupported dtype {entry['dtype']}")
-            begin, end = entry["data_offsets"]
-            snap.tensors[name] = StoredTensor(
-                index, base + begin, base + end, _DTYPES[entry["dtype"]], tuple(entry["shape"])
-            )
+            raise
+    _check_transposed(snap, str(path))
+    return snap
+
+
+def snapshot_from_image(image: torch.Tensor, where: str) -> Snapshot:
+    """A snapshot held in memory: `image` (uint8, on any device) holds the bytes of one
+    safetensors file, as the collective transport sends it (collective_load.py). No copy."""
+    snap = Snapshot()
+    _index_file(snap, image, where)
+    _check_transposed(snap, where)
+    return snap
+
+
+def _index_file(snap: Snapshot, data: torch.Tensor, where: str) -> None:
+    """Add the tensors of one safetensors file's bytes `data` to `snap`."""
+    raw = data[:8].cpu().numpy().tobytes()
+    (header_len,) = struct.unpack("<Q", raw) if len(raw) == 8 else (len(data),)
+    if 8 + header_len > len(data):
+        raise ValueError(f"{where} is not a safetensors file (header past its end)")
+    header = json.loads(data[8 : 8 + header_len].cpu().numpy().tobytes())
+    base = 8 + header_len
+    index = len(snap.files)
+    snap.files.append(data)
+    try:
+        snap.transposed.update(transposed_entries(header.get("__metadata__") or {}))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{where}: {name} has unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        snap.tensors[name] = StoredTensor(
+            index, base + begin, base + end, _DTYPES[entry["dtype"]], tuple(entry["shape"])
+        )
+
+
+def _check_transposed(snap: Snapshot, where: str) -> None:
     missing = sorted(set(snap.transposed) - set(snap.tensors))
     if missing:
         snap.close()
-        raise ValueError(f"{path}: {missing[0]} is listed as transposed but not stored")
-    return snap
+        raise ValueError(f"{where}: {missing[0]} is listed as transposed but not stored")

@@ -355,10 +355,7 @@ class SnapshotLoad:
         finally:
             staging.close()
         done = time.perf_counter()
-        # What vLLM's own reload_weights invalidates after a load.
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-            if hasattr(runner, reset):
-                getattr(runner, reset)()
+        _reset_caches(runner)
         return {
             "loaded": True,
             "staged": staged,
@@ -367,6 +364,33 @@ class SnapshotLoad:
             "swap_s": swapped - copied,
             "repack_s": done - swapped,
         }
+
+
+def load_in_place(runner: Any, snap: Snapshot) -> dict[str, float]:
+    """Load `snap` (a snapshot on disk or in memory) into the runner's model, as a load with
+    nothing staged does: plain parameters copied in place, packed layers rebuilt from it.
+    Raises SnapshotMismatch before changing anything where it does not map one to one."""
+    started = time.perf_counter()
+    plan = plan_load(runner.get_model(), snap)
+    planned = time.perf_counter()
+    with torch.no_grad():
+        _apply_copies(plan, snap)
+        copied = time.perf_counter()
+        for repack in plan.repacks:
+            _swap_in(repack.module, _build(repack, snap))
+    _reset_caches(runner)
+    return {
+        "plan_s": planned - started,
+        "copy_s": copied - planned,
+        "repack_s": time.perf_counter() - copied,
+    }
+
+
+def _reset_caches(runner: Any) -> None:
+    """What vLLM's own reload_weights invalidates after a load."""
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
 
 
 def _staging_for(ext: SnapshotLoad, path: str) -> _Staging | str:
