@@ -22,6 +22,23 @@ from lockgate.examples.deepresearch.world import WorldSizes, generate_world
 
 CORPUS, TRAIN, HELDOUT, MANIFEST = "corpus.jsonl", "train.jsonl", "heldout.jsonl", "manifest.json"
 HELDOUT_DOC_PREFIX = "h"  # the held-out world's document ids; the training worlds' start with t
+# The validation knowledge base's seed is the recipe's plus this: the warm start is judged on a
+# held-out world of its own (gate.py), never on the evaluation's.
+VALIDATION_SEED_OFFSET = 1000
+
+
+def validation_kb_seed(kb_seed: int) -> int:
+    """The seed of the knowledge base whose held-out questions validate the SFT model."""
+    return kb_seed + VALIDATION_SEED_OFFSET
+
+
+def kb_seed(kb_dir: Path) -> int | None:
+    """The seed a CPU knowledge base was built with (its manifest), None for another kind."""
+    manifest = Path(kb_dir) / MANIFEST
+    if not manifest.is_file():
+        return None
+    seed = json.loads(manifest.read_text()).get("seed")
+    return seed if isinstance(seed, int) else None
 
 
 class KBSpec(BaseModel):

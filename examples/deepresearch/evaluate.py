@@ -4,7 +4,10 @@
     python -m lockgate.examples.deepresearch.evaluate compare before.json after.json
     python -m lockgate.examples.deepresearch.evaluate merge pooled.json a.json b.json
 
-`run` starts a retrieval service on the knowledge base, local vLLM replicas of the model (or
+`run` evaluates on a knowledge base's held-out questions: the recipe's (`--kb-dir`), or one built
+with a seed the recipe never used (`--kb-seed N`: a new held-out world, its questions and its
+documents, among new training worlds; the report records the seed). It starts a retrieval
+service on the knowledge base, local vLLM replicas of the model (or
 uses running ones: `--replica-urls`, `--expect-weight-version`) and a lockgate gateway that
 honours each call's temperature, then runs the agent once per held-out question per temperature,
 plus two baselines on the same questions: the scripted oracle (search the entity, read, answer:
@@ -34,7 +37,15 @@ from lockgate.agent_runtime import RolloutContext, Task, run_rollout
 from lockgate.agent_runtime.connections import close_shared_transport
 from lockgate.coordinator.run_dir import RunDir
 from lockgate.examples.deepresearch.agent import AgentConfig, Tools
-from lockgate.examples.deepresearch.data import HELDOUT, MANIFEST, build_cpu_kb, load_questions
+from lockgate.examples.deepresearch.data import (
+    HELDOUT,
+    MANIFEST,
+    KBSpec,
+    build_cpu_kb,
+    kb_seed,
+    load_questions,
+    validation_kb_seed,
+)
 from lockgate.examples.deepresearch.env import question_task, task_episode
 from lockgate.examples.deepresearch.oracle import run_oracle
 from lockgate.examples.deepresearch.questions import Question
@@ -207,6 +218,8 @@ async def oracle_outcomes(
 class Report(BaseModel):
     model: str
     questions: str
+    # The seed of the CPU knowledge base the questions came from (None: other questions).
+    kb_seed: int | None = None
     elapsed_s: float
     # The replicas' weight version when they were given running (--replica-urls): after the
     # RL run, the version of its last step.
@@ -285,6 +298,33 @@ async def evaluate(
     )
 
 
+# The knowledge bases the CPU recipe builds with its default seed: the evaluation's and the
+# validation gate's. `--kb-seed` is for the others.
+RECIPE_KB_SEEDS = (0, validation_kb_seed(0))
+
+
+def knowledge_base(kb_dir: Path | None, seed: int | None) -> Path:
+    """The knowledge base to evaluate on: with `seed`, the CPU one of that seed (built in
+    `kb_dir`, default a cache folder per seed, unless it is there already); without, `kb_dir`
+    as it is, or the default one, built when missing. ValueError for a seed the recipe uses
+    or a `kb_dir` that holds another seed's."""
+    from lockgate.trainer.tiny_models.builder import default_cache_dir
+
+    if seed is None:
+        kb_dir = kb_dir or default_cache_dir() / "deepresearch-kb"
+        return kb_dir if (kb_dir / MANIFEST).is_file() else build_cpu_kb(kb_dir)
+    if seed in RECIPE_KB_SEEDS:
+        raise ValueError(
+            f"--kb-seed {seed} is a knowledge base the recipe uses (seeds {RECIPE_KB_SEEDS[0]}: "
+            f"the evaluation's, {RECIPE_KB_SEEDS[1]}: the validation gate's); pick another"
+        )
+    kb_dir = kb_dir or default_cache_dir() / f"deepresearch-kb-seed{seed}"
+    held = kb_seed(kb_dir)
+    if (kb_dir / MANIFEST).is_file() and held != seed:
+        raise ValueError(f"--kb-dir {kb_dir} holds the knowledge base of seed {held}, not {seed}")
+    return build_cpu_kb(kb_dir, KBSpec(seed=seed))
+
+
 def _replicas_version(urls: list[str], expected: int | None) -> int:
     """The one weight version all `urls` hold; exits with a one-line message otherwise."""
     from lockgate.examples.deepresearch.serving import weights_versions
@@ -313,8 +353,10 @@ def _run(args: argparse.Namespace) -> int:
     elif args.expect_weight_version is not None:
         sys.exit("evaluate: --expect-weight-version needs --replica-urls")
 
-    # A knowledge base already there is used as it is; the default one is built when missing.
-    kb = args.kb_dir if (args.kb_dir / MANIFEST).is_file() else build_cpu_kb(args.kb_dir)
+    try:
+        kb = knowledge_base(args.kb_dir, args.kb_seed)
+    except ValueError as exc:
+        sys.exit(f"evaluate: {exc}")
     args.questions = args.questions or kb / HELDOUT
     corpus = args.corpus or kb / "corpus.jsonl"
     # One evaluation, one store: a rerun into the same work dir starts it afresh.
@@ -333,8 +375,11 @@ def _run(args: argparse.Namespace) -> int:
             evaluate(args, served.gateway_url, served.admin_token, served.retrieval_url)
         )
     report.weights_version = version
+    report.kb_seed = kb_seed(kb) if args.questions == kb / HELDOUT else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report.model_dump_json(indent=1))
+    if report.kb_seed is not None:
+        print(f"knowledge base seed {report.kb_seed} ({kb})")
     for s in report.summaries:
         print(s.line())
     return 0
@@ -405,14 +450,25 @@ def _table(run_dirs: list[Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lockgate.trainer.tiny_models.builder import default_cache_dir
 
     parser = argparse.ArgumentParser(prog="python -m lockgate.examples.deepresearch.evaluate")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="evaluate a model (and the baselines) on held-out questions")
     run.add_argument("--model", type=Path, required=True, help="HF model dir")
     run.add_argument("--out", type=Path, required=True, help="where the JSON report goes")
-    run.add_argument("--kb-dir", type=Path, default=default_cache_dir() / "deepresearch-kb")
+    run.add_argument(
+        "--kb-dir",
+        type=Path,
+        help="the knowledge base (default: the CPU one in the cache; with --kb-seed, where it "
+        "is built)",
+    )
+    run.add_argument(
+        "--kb-seed",
+        type=int,
+        metavar="N",
+        help="evaluate on a CPU knowledge base built with seed N, one the recipe never used: "
+        "a new held-out world, its questions and documents",
+    )
     run.add_argument("--questions", type=Path, help="question JSONL (default: the held-out set)")
     run.add_argument("--corpus", type=Path, help="corpus JSONL (default: the knowledge base's)")
     run.add_argument("--n", type=int, default=None, help="the first N questions only")

@@ -2,10 +2,13 @@
 
     python -m lockgate.examples.deepresearch.prepare --out DIR
 
-writes `DIR/kb/` (corpus and questions, `data.build_cpu_kb`), builds the untrained model (cached),
-and writes `DIR/drill_{train,val}.jsonl` (copy drills, `copy_drills`) and
-`DIR/sft_{train,val}.jsonl` (the scripted oracle's conversations). It prints `model=PATH` and the
-file paths, one per line, for the recipe's shell script to read.
+writes `DIR/kb/` (corpus and questions, `data.build_cpu_kb`), `DIR/val_kb/` (the knowledge base of
+the validation seed, `data.validation_kb_seed`: its held-out world and questions judge the SFT
+model before the recipe goes on, gate.py), builds the untrained model (cached), and writes
+`DIR/drill_{train,val}.jsonl` (copy drills, `copy_drills`; the val drills are over names of
+other worlds, a held-out copy task) and `DIR/sft_{train,val}.jsonl` (the scripted oracle's
+conversations). It prints `model=PATH` and the paths, one per line, for the recipe's shell
+script to read.
 
 The transcripts are over fresh worlds, not over the knowledge base's training world: each small
 world (a few dozen people and their organisations, cities and countries, all drawn from the
@@ -30,7 +33,12 @@ from typing import Any
 from tqdm import tqdm
 
 from lockgate.examples.deepresearch.agent import AgentConfig
-from lockgate.examples.deepresearch.data import KBSpec, build_cpu_kb, write_jsonl
+from lockgate.examples.deepresearch.data import (
+    KBSpec,
+    build_cpu_kb,
+    validation_kb_seed,
+    write_jsonl,
+)
 from lockgate.examples.deepresearch.fresh_worlds import (
     FRESH_WORLD,
     QUESTIONS_PER_WORLD,
@@ -134,6 +142,7 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     kb = build_cpu_kb(args.out / "kb", KBSpec(seed=args.kb_seed))
+    val_kb = build_cpu_kb(args.out / "val_kb", KBSpec(seed=validation_kb_seed(args.kb_seed)))
     model = ensure_model(kb)
     # Training and validation transcripts come from worlds of different seeds.
     base = args.transcript_seed * 1000
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         write_transcripts(args.out / f"{name}.jsonl", runs)
     for name, count, seed in (("drill_train", args.drills, 0), ("drill_val", 64, 999)):
         write_jsonl(args.out / f"{name}.jsonl", copy_drills(count, seed=base + seed))
-    print(f"model={model}\nkb={kb}\nsft_train={args.out / 'sft_train.jsonl'}")
+    print(f"model={model}\nkb={kb}\nval_kb={val_kb}\nsft_train={args.out / 'sft_train.jsonl'}")
     return 0
 
 

@@ -3,7 +3,11 @@
 #   1. the knowledge base, the ~3.5M-parameter model and the SFT transcripts over fresh worlds
 #      (prepare.py);
 #   2. supervised warm start with `lockgate sft`: copy drills (the model learns to copy a name),
-#      then one pass over the oracle's transcripts (it learns to search, read and answer);
+#      then one pass over the oracle's transcripts (it learns to search, read and answer). Two
+#      gates: the drills must copy (held-out exact match, configs/drill_cpu.yaml), and the SFT
+#      model must answer validation questions over a world of its own (gate.py, which continues
+#      SFT a chunk at a time within a cap). A gate missed stops the recipe here with one line,
+#      `[deepresearch] stage 2 (...): <reason>`, instead of at the final evaluation;
 #   3. held-out evaluation of the SFT model, with the oracle and no-search baselines;
 #   4. fully-async GRPO through the gateway with `lockgate train` (greedy validation every 8 steps);
 #   5. held-out evaluation of the RL model, the report's plots, and the before -> after lines.
@@ -11,31 +15,51 @@
 # syncs its weights into them, and step 5 evaluates the weights of RL's last step there. Each
 # replica start costs ~40 s of the 2 cores.
 # SEED=1 ./examples/deepresearch/run_cpu.sh runs another seed (SFT and RL); extra arguments go
-# to `lockgate train` (e.g. --set loop.steps=5).
+# to `lockgate train` (e.g. --set loop.steps=5). For tests and quick looks, each stage takes
+# extra arguments from the environment (shell words): PREPARE_ARGS (prepare.py), DRILL_ARGS and
+# SFT_ARGS (`lockgate sft`), GATE_ARGS (gate.py; after its `--`, evaluate.py's); DATA and RUN
+# move the data and the run; SKIP_SETUP=1 leaves .venv as it is.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SEED=${SEED:-0}
-DATA=runs/deepresearch/data/seed$SEED
+DATA=${DATA:-runs/deepresearch/data/seed$SEED}
 RUN=${RUN:-runs/deepresearch/seed$SEED}
+eval "prepare_args=(${PREPARE_ARGS:-})"
+eval "drill_args=(${DRILL_ARGS:-})"
+eval "sft_args=(${SFT_ARGS:-})"
+# 200 validation questions, one episode each at T=1, as many in flight as the evaluations.
+eval "gate_args=(${GATE_ARGS:--- --concurrency 160})"
 PY=.venv/bin/python
 LG=.venv/bin/lockgate
 MOD=lockgate.examples.deepresearch
 say() { echo "[deepresearch] $*" >&2; }
 
-bash scripts/setup.sh
+[ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
 mkdir -p "$RUN"
 started=$(date +%s)
 say "1/5 knowledge base, model and SFT transcripts in $DATA"
-eval "$($PY -m $MOD.prepare --out "$DATA" --transcript-seed "$SEED")"  # sets model=, kb=, ...
+# sets model=, kb=, val_kb=, ...
+eval "$($PY -m $MOD.prepare --out "$DATA" --transcript-seed "$SEED" "${prepare_args[@]}")"
 
 say "2/5 supervised warm start (lockgate sft: copy drills, then transcripts) -> $RUN/drill, $RUN/sft"
-sft() {  # CONFIG DATA_NAME FROM_MODEL OUT
+sft() {  # CONFIG DATA_NAME FROM_MODEL OUT [more lockgate sft arguments]
   $LG sft "examples/deepresearch/configs/$1" --set "model.path=$3" \
     --set "data.path=$(pwd)/$DATA/$2_train.jsonl" --set "data.val_path=$(pwd)/$DATA/$2_val.jsonl" \
-    --set "out_dir=$(pwd)/$RUN/$4" --set "trainer.seed=$SEED"
+    --set "out_dir=$(pwd)/$RUN/$4" --set "trainer.seed=$SEED" "${@:5}"
 }
-sft drill_cpu.yaml drill "$model" drill
-sft sft_cpu.yaml sft "$(pwd)/$RUN/drill/final" sft
+stopped() {  # STAGE LINE: a gate missed or a stage failed; the recipe ends here
+  say "$1: $2"
+  exit 1
+}
+# A failed `lockgate sft` leaves its one-line reason in OUT/failed (the drills' gate among them).
+why_sft() { paste -sd' ' "$1/failed" 2>/dev/null || echo "failed (log: $1/sft.log)"; }
+sft drill_cpu.yaml drill "$model" drill "${drill_args[@]}" \
+  || stopped "stage 2 (copy drills)" "$(why_sft "$RUN/drill")"
+sft sft_cpu.yaml sft "$(pwd)/$RUN/drill/final" sft "${sft_args[@]}" \
+  || stopped "stage 2 (SFT)" "$(why_sft "$RUN/sft")"
+say "2/5 SFT gate: the SFT model on validation questions over a world of their own -> $RUN/gate"
+why=$($PY -m $MOD.gate --sft-out "$RUN/sft" --kb-dir "$val_kb" --work "$RUN/gate" \
+  "${gate_args[@]}") || stopped "stage 2 (SFT)" "$why"
 SFT_MODEL="$RUN/sft/final"
 
 say "3/5 held-out evaluation of the SFT model (T=1, greedy, oracle, no search)"

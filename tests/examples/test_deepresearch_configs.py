@@ -27,14 +27,18 @@ def _defaults() -> dict[str, int]:
     return vars(arguments().parse_args(["--out", "unused"]))
 
 
-def test_drills_stop_on_a_loss_over_drills_not_seen_before() -> None:
+def test_drills_stop_when_they_copy_and_stop_the_recipe_when_they_never_do() -> None:
     drills = _sft("drill_cpu.yaml")
-    assert drills.loop.stop_at_train_loss is not None
-    # One pass: every batch is new to the model when it is scored, so the training loss of
-    # the last steps is a held-out loss. A second pass would judge drills already learnt.
+    # Judged by whether the held-out drills are copied exactly, not by a loss, and required:
+    # drills that reach their cap without copying stop the recipe (issue 45).
+    assert drills.loop.stop_at_val_exact_match is not None
+    assert drills.loop.require == "val_exact_match"
+    assert drills.loop.stop_at_train_loss is None and drills.loop.stop_at_val_loss is None
+    assert drills.loop.val_every > 0
+    # One pass over drills each seen once: the cap is the data, not a step count.
     assert drills.loop.epochs == 1 and drills.loop.max_steps is None
-    window = drills.loop.train_loss_window * drills.loop.batch_size
-    assert window <= _defaults()["drills"]
+    steps = _defaults()["drills"] // drills.loop.batch_size
+    assert drills.loop.val_every * 10 <= steps  # many checks before the cap
 
 
 def test_sft_decays_within_its_one_pass() -> None:
