@@ -42,14 +42,15 @@ class SFTModelSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: Path | None = Field(
         default=None,
-        description="HF model dir to fine-tune (its tokenizer and chat template render the "
+        description="HF model dir to fine-tune (its tokenizer and chat format render the "
         "data). Unset: the tiny Qwen3-style model, built offline and cached.",
     )
     chat_format: str = Field(
         default="auto",
         description="The model's chat format (a `renderers` name, or auto: detected from the "
         "model's files). `lockgate sft` resolves it before tokenizing, so a model whose format "
-        "cannot be placed is refused; the data is rendered by the model's own chat template.",
+        "cannot be placed is refused. The data is rendered and masked by the format's renderer; "
+        "the generic format (default) by the model's own chat template.",
     )
 
 
@@ -75,7 +76,8 @@ class SFTDataSection(BaseModel):
     end_of_turn: str | None = Field(
         default=None,
         description="The token that ends an assistant turn (trained on: the model must learn "
-        "to stop). Unset: the tokenizer's eos_token (<|im_end|> for Qwen3 chat models).",
+        "to stop), for the generic format (default) only: a format's renderer knows its own. "
+        "Unset: the tokenizer's eos_token.",
     )
 
 
