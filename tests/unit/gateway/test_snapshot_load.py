@@ -4,6 +4,7 @@ test_sync_vllm.py."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -384,5 +385,9 @@ async def test_the_disk_transport_stages_slice_by_slice_where_the_extension_is(
 
 
 def test_the_extension_named_to_vllm_is_this_class() -> None:
+    """The launcher names the collective transport's extension, which is this one plus the
+    collective receive."""
     module, _, name = SNAPSHOT_LOAD_EXTENSION.rpartition(".")
-    assert f"{SnapshotLoad.__module__}.{SnapshotLoad.__name__}" == f"{module}.{name}"
+    named = getattr(importlib.import_module(module), name)
+    assert issubclass(named, SnapshotLoad)
+    assert hasattr(named, "lockgate_collective_receive")
