@@ -130,7 +130,10 @@ class Enrolment:
         """A session finished or failed; its group completes with the last of its members."""
         group_id = self._of_session.get(session_id)
         if group_id is None:
-            return  # not an enrolled session (one the admin API or `session new` made)
+            # Not an enrolled session (one the admin API or `session new` made), or one of a
+            # group that completed: the admin API may finish a session again, and a group
+            # completes once.
+            return
         self._groups[group_id].ended.add(session_id)
         self._maybe_complete(group_id)
 
@@ -160,6 +163,8 @@ class Enrolment:
                 )
             )
             del self._groups[group_id]
+            for session_id in group.sessions:
+                del self._of_session[session_id]
             self._closed.add(group_id)
             self._completed.set()
 

@@ -22,11 +22,13 @@ from pydantic.json_schema import models_json_schema
 from lockgate.gateway.dialects.responses import ResponsesRequest
 from lockgate.gateway.schema import (
     AddReplica,
+    AdmitGroups,
     ChatCompletionRequest,
     CompletionRequest,
     CreateSession,
     FinishSession,
     LoadWeights,
+    OpenEnrolment,
     PauseRequest,
     ResumeRequest,
     SetMetadata,
@@ -35,8 +37,9 @@ from lockgate.gateway.schema import (
 )
 
 # What a route's credentials are: the admin token, a session's key on plain /v1 (the key names
-# the session), a session in the URL (its key optional, another session's refused), or none.
-AuthKind = Literal["admin", "session_key", "session_path", "open"]
+# the session), a session in the URL (its key optional, another session's refused), the run's
+# enrolment key (client-driven rollouts; the admin token is taken there too), or none.
+AuthKind = Literal["admin", "session_key", "session_path", "enrolment", "open"]
 
 OPEN_SESSION = "open-session"
 FINISHED_SESSION = "finished-session"
@@ -78,6 +81,9 @@ ROUTES: list[Route] = [
     *_agent("/v1/responses", ResponsesRequest, generates=True),
     *_agent("/reward", SetReward),
     *_agent("/metadata", SetMetadata),
+    *_agent("/finish", FinishSession),
+    Route("POST", "/v1/sessions", "enrolment", CreateSession),
+    Route("GET", "/v1/enrolment", "enrolment"),
     Route("GET", "/v1/models", "open"),
     Route("GET", "/sessions/{session_id}/v1/models", "session_path"),
     Route("GET", "/health", "open"),
@@ -96,6 +102,15 @@ ROUTES: list[Route] = [
     Route("POST", "/admin/resume", "admin", ResumeRequest),
     Route("POST", "/admin/replicas", "admin", AddReplica),
     Route("DELETE", "/admin/replicas", "admin", query={"url": {"type": "string"}}),
+    Route("PUT", "/admin/enrolment", "admin", OpenEnrolment),
+    Route("POST", "/admin/enrolment/admitted", "admin", AdmitGroups),
+    # A long poll: the fuzz test pins wait_s small (ENROLMENT_WAIT_S).
+    Route(
+        "GET",
+        "/admin/enrolment/groups",
+        "admin",
+        query={"after": {"type": "integer"}, "wait_s": {"type": "number"}},
+    ),
 ]
 
 

@@ -11,8 +11,12 @@ tokens, random ids), into a real SQLite store. For every case:
 - no 5xx, and an answer within `CALL_TIMEOUT_S` (no hang);
 - every 4xx (and every error event of a stream) in OpenAI's shape,
   `{"error": {"message", "type", "param", "code"}}`;
-- without valid credentials, the admin routes and the session-key routes answer 401, and a
-  session URL with another session's key is a 401;
+- without valid credentials, the admin routes, the session-key routes and the enrolment
+  routes (client-driven rollouts: `POST /v1/sessions`, `GET /v1/enrolment`, with the run's
+  enrolment key) answer 401, the enrolment key is refused on the admin and session-key routes,
+  and a session URL with another session's key is a 401;
+- a session enrolled (201) is in the store with its task and group, a session finished by its
+  own key has ended, and a refusal for the bound on new groups (429) says when to retry;
 - exactly one call recorded for a generation that succeeded, nothing for anything refused,
   and that record whole (a completion id per logprob, versions covering every token);
 then, once all cases ran, every session's records in the store are consistent.
@@ -20,13 +24,15 @@ then, once all cases ran, every session's records in the store are consistent.
 Fixture state is neutralised rather than excluded: each case that names an open session gets a
 fresh one (a fuzzed `finish` would otherwise end the session every later case uses), and after
 each admin case the gateway is put back to serving with only its own replica (a fuzzed pause
-would hold every later call; a fuzzed replica URL would take calls that fail over). So here a
+would hold every later call; a fuzzed replica URL would take calls that fail over; a fuzzed
+enrolment would change the key and the bound: the fixture's is opened again). So here a
 weight load (`POST /admin/weights`), which needs a paused gateway, is only ever refused (409),
 and a removal never finds the gateway's own replica.
 
 What that leaves out, `test_fuzz_sequences_of_admin_and_agent_calls` does: sequences of calls,
-pauses, weight loads, resumes, finished sessions and replicas coming and going, on a gateway of
-their own, with nothing put back in between (only the documented 5xx allowed). And
+pauses, weight loads, resumes, finished sessions, replicas coming and going and clients
+enrolling sessions into groups, on a gateway of their own, with nothing put back in between
+(only the documented 5xx allowed; every group whose sessions all ended is complete, once). And
 `test_fuzz_paths_and_methods_no_route_serves` sends what no schema describes: unknown paths,
 methods a route does not take. The regressions at the end hold what the fuzzing found.
 
@@ -58,6 +64,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
+    multiple,
     precondition,
     rule,
     run_state_machine_as_test,
@@ -66,10 +73,11 @@ from pydantic import BaseModel
 from schemathesis import Case, GenerationMode
 
 from lockgate.gateway.api.app import create_app
+from lockgate.gateway.api.session_keys import ENROLMENT_KEY_PREFIX
 from lockgate.gateway.calls.bodies import MAX_JSON_DEPTH
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.records.codecs import CALL_COLUMNS, call_from_row
-from lockgate.gateway.schema import ChatCompletionRequest, CompletionRequest
+from lockgate.gateway.schema import ChatCompletionRequest, CompletionRequest, CreateSession
 from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
 from tests.support.chat_strategies import chat_bodies, completion_bodies
 from tests.support.fake_gateway import ADMIN, REPLICA, FakeReplica, sse_chunks
@@ -95,11 +103,22 @@ STEPS_PER_SEQUENCE = 20
 AUTHS = ("valid", "invalid", "none")
 ERROR_KEYS = {"message", "type", "param", "code"}
 _ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+# Client-driven rollouts: the enrolment every case finds open, and the longest a case's long
+# poll for complete groups waits (what it asks for beyond that is pinned down to it).
+ENROLMENT_KEY = ENROLMENT_KEY_PREFIX + "fuzz-enrolment-key"
+# Few groups admitted, so that enrolling meets the bound (429) as well as full groups (409).
+ENROLMENT = {"key": ENROLMENT_KEY, "group_size": 2, "groups_admitted": 6}
+ENROLMENT_WAIT_S = 0.05
 
 SCHEMA = schemathesis.openapi.from_dict(gateway_openapi())
 _REALISTIC: dict[type[BaseModel] | None, st.SearchStrategy[dict[str, Any]]] = {
     ChatCompletionRequest: chat_bodies(),
     CompletionRequest: completion_bodies(),
+    # A few tasks and groups, so that sessions join groups, fill them and meet other tasks'.
+    CreateSession: st.fixed_dictionaries(
+        {"task_id": st.sampled_from(["t0", "t1"])},
+        optional={"group_id": st.sampled_from(["g0", "g1", "g2"])},
+    ),
 }
 
 
@@ -187,6 +206,8 @@ class Served:
         status = self.admin("GET", "/admin/status").json()
         assert status["state"] == "serving", status
         assert [r["url"] for r in status["replicas"]] == [REPLICA], status
+        # The fixture's enrolment, with its key, whatever an admin case opened or admitted.
+        self.admin("PUT", "/admin/enrolment", json=ENROLMENT)
 
 
 @contextlib.contextmanager
@@ -233,6 +254,7 @@ def _serve(model_dir: Path, db_path: Path, **config: Any) -> Iterator[Served]:
             s.finished = s.new_session()
             s.admin("POST", f"/admin/sessions/{s.finished['session_id']}/finish", json={})
             s.other = s.new_session()
+            s.admin("PUT", "/admin/enrolment", json=ENROLMENT)
             yield s
     finally:
         asyncio.run(upstream.aclose())
@@ -289,7 +311,8 @@ def _report_lines(tally: Tally) -> list[str]:
 
 
 def _credentials(served: Served, route: Route) -> list[str]:
-    """Invalid credentials for the route (one is drawn per case)."""
+    """Invalid credentials for the route (one is drawn per case). The enrolment key is one on
+    the admin and session-key routes: it creates sessions and is no admin's or session's key."""
     if route.auth == "admin":
         return [
             "Bearer not-the-admin-token",
@@ -297,6 +320,7 @@ def _credentials(served: Served, route: Route) -> list[str]:
             f"Basic {ADMIN}",
             f"Bearer {ADMIN}x",
             "Bearer ",
+            f"Bearer {ENROLMENT_KEY}",
         ]
     if route.auth == "session_key":
         return [
@@ -304,11 +328,21 @@ def _credentials(served: Served, route: Route) -> list[str]:
             f"Bearer {ADMIN}",
             f"Basic {served.other['api_key']}",
             f"Bearer {served.other['api_key']}x",
+            f"Bearer {ENROLMENT_KEY}",
         ]
     if route.auth == "session_path":
         # The session in the URL is the capability; only another session's key is refused
-        # (a case's session is a fresh one or the finished one, never `other`).
+        # (a case's session is a fresh one or the finished one, never `other`). Any other
+        # bearer, the enrolment key too, is an SDK's placeholder key there, ignored.
         return [f"Bearer {served.other['api_key']}", "Bearer lg-sk-forged"]
+    if route.auth == "enrolment":
+        return [
+            f"Bearer {ENROLMENT_KEY_PREFIX}forged-enrolment-key",
+            f"Bearer {served.other['api_key']}",
+            f"Basic {ENROLMENT_KEY}",
+            f"Bearer {ENROLMENT_KEY}x",
+            "Bearer ",
+        ]
     return ["Bearer nope"]
 
 
@@ -386,8 +420,11 @@ def _check(served: Served, route: Route, auth: str, case: Case, invalid: str) ->
         headers["Authorization"] = f"Bearer {ADMIN}"
     elif auth == "valid" and route.auth in ("session_key", "session_path") and session:
         headers["Authorization"] = f"Bearer {session['api_key']}"
+    elif auth == "valid" and route.auth == "enrolment":
+        headers["Authorization"] = f"Bearer {ENROLMENT_KEY}"
     elif auth == "invalid":
         headers["Authorization"] = invalid
+    _pin_long_poll(case)
     kwargs = case.as_transport_kwargs(base_url=served.base_url, headers=headers)
     if auth == "none":
         kwargs["headers"].pop("Authorization", None)
@@ -420,7 +457,7 @@ def _check(served: Served, route: Route, auth: str, case: Case, invalid: str) ->
                 assert payload["error"]["type"] != "server_error", detail
 
     # Without valid credentials nothing is done on a route that needs them.
-    if auth != "valid" and route.auth in ("admin", "session_key"):
+    if auth != "valid" and route.auth in ("admin", "session_key", "enrolment"):
         assert resp.status_code == 401, detail
     if auth == "invalid" and route.auth == "session_path" and session is not None:
         assert resp.status_code == 401, detail
@@ -440,9 +477,50 @@ def _check(served: Served, route: Route, auth: str, case: Case, invalid: str) ->
             assert completion == len(call["completion_ids"]), detail
     else:
         assert recorded == 0, f"{detail}\n{recorded} calls recorded"
+    _assert_session_kept(served, route, resp, session, detail)
 
     if route.auth == "admin" and auth == "valid":
         served.restore()
+
+
+def _pin_long_poll(case: Case) -> None:
+    """A case's wait for complete groups, at most `ENROLMENT_WAIT_S`: the route holds a request
+    up to a minute, and a fuzzed number would hold the run as long (one that is no number, or
+    not finite, stays as generated: the route must refuse it)."""
+    if not case.query or "wait_s" not in case.query:
+        return
+    try:
+        wait = float(case.query["wait_s"])
+    except (TypeError, ValueError):
+        return
+    if wait > ENROLMENT_WAIT_S and wait != float("inf"):
+        case.query["wait_s"] = ENROLMENT_WAIT_S
+
+
+def _assert_session_kept(
+    served: Served,
+    route: Route,
+    resp: requests.Response,
+    session: dict[str, str] | None,
+    detail: str,
+) -> None:
+    """What a client-driven route answered as done is in the store: an enrolled session (with
+    its task and group), a finished one ended."""
+    if resp.status_code == 429:
+        assert int(resp.headers["retry-after"]) >= 1, detail
+    if route.label == "POST /v1/sessions" and resp.status_code == 201:
+        created = resp.json()
+        stored = served.admin("GET", f"/admin/sessions/{created['session_id']}").json()
+        assert stored["status"] == "open", detail
+        assert (stored["task_id"], stored["group_id"]) == (
+            created["task_id"],
+            created["group_id"],
+        ), detail
+        assert created["members"] + created["needed"] == ENROLMENT["group_size"], detail
+    if route.path.endswith("/finish") and route.auth != "admin" and resp.status_code == 200:
+        assert session is not None, detail
+        stored = served.admin("GET", f"/admin/sessions/{session['session_id']}").json()
+        assert stored["status"] in ("finished", "failed"), detail
 
 
 def _fuzz(served: Served, route: Route, auth: str) -> None:
@@ -549,6 +627,28 @@ def test_removing_a_replica_without_the_admin_token_is_refused_before_its_query_
     assert r.status_code == 400 and r.json()["error"]["param"] == "url", r.text
 
 
+def test_finishing_a_session_of_a_completed_group_again_is_no_server_error(served: Served) -> None:
+    """The admin API may finish a session again (a rollout's finish is retried on a fresh
+    connection); for an enrolled session whose group had completed, that was a 500 (the group
+    was gone from the enrolment's books, its sessions not). The group completes once."""
+    served.restore()  # the fixture's enrolment, fresh: its bound not used up by the fuzzing
+    key = {"Authorization": f"Bearer {ENROLMENT_KEY}"}
+    sessions = []
+    for _ in range(ENROLMENT["group_size"]):
+        r = served.http.post(
+            f"{served.base_url}/v1/sessions",
+            json={"task_id": "t-again", "group_id": "g-again"},
+            headers=key,
+            timeout=CALL_TIMEOUT_S,
+        )
+        assert r.status_code == 201, r.text
+        sessions.append(r.json()["session_id"])
+    for sid in [*sessions, sessions[0]]:
+        served.admin("POST", f"/admin/sessions/{sid}/finish", json={"reward": 1.0})
+    groups = served.admin("GET", "/admin/enrolment/groups", params={"after": 0}).json()["groups"]
+    assert [g["sessions"] for g in groups if g["group_id"] == "g-again"] == [sessions]
+
+
 # -- sequences: admin and agent calls interleaved, nothing put back in between ----------------------
 
 # The 5xx a sequence may meet by design (docs/gateway-api.md): a call held by a pause past the
@@ -563,20 +663,28 @@ class GatewaySequences(RuleBasedStateMachine):
     shape, and one record for every answered call (checked per step and on the store after)."""
 
     served: Served
+    # Across all sequences: sessions enrolled, and complete groups checked against them.
+    stats: Counter[str]
 
     def __init__(self) -> None:
         super().__init__()
         self.steps = 0
         self.paused = False
         self.served.restore()  # each sequence starts from a serving gateway
+        # Client-driven rollouts: the sessions enrolled per group, and the sessions ended.
+        self.enrolled: dict[str, list[str]] = {}
+        self.ended: set[str] = set()
+        self.checked: set[str] = set()  # groups found complete
 
     sessions = Bundle("sessions")
 
     def _send(
-        self, method: str, path: str, admin: bool = False, **kwargs: Any
+        self, method: str, path: str, admin: bool = False, key: str | None = None, **kwargs: Any
     ) -> requests.Response:
         s = self.served
         headers = _ADMIN_HEADERS if admin else {}
+        if key is not None:
+            headers = {"Authorization": f"Bearer {key}"}
         try:
             r = s.http.request(
                 method, s.base_url + path, headers=headers, timeout=CALL_TIMEOUT_S, **kwargs
@@ -626,7 +734,54 @@ class GatewaySequences(RuleBasedStateMachine):
     @rule(session=sessions, status=st.sampled_from(["finished", "failed"]))
     def finish(self, session: dict[str, str], status: str) -> None:
         path = f"/admin/sessions/{session['session_id']}/finish"
-        self._send("POST", path, admin=True, json={"status": status, "reward": 1.0})
+        r = self._send("POST", path, admin=True, json={"status": status, "reward": 1.0})
+        if r.status_code == 200:
+            self.ended.add(session["session_id"])
+
+    @rule(target=sessions, task=st.sampled_from(["t0", "t1"]))
+    def enrol(self, task: str) -> Any:
+        """A client's session, put in an open group of its task or a new one."""
+        r = self._send("POST", "/v1/sessions", key=ENROLMENT_KEY, json={"task_id": task})
+        if r.status_code == 429:  # the bound on new groups: nothing made
+            assert int(r.headers["retry-after"]) >= 1, r.text
+            return multiple()
+        assert r.status_code == 201, r.text
+        created = r.json()
+        self.enrolled.setdefault(created["group_id"], []).append(created["session_id"])
+        self.stats["enrolled"] += 1
+        return created
+
+    def _full_groups_open(self) -> list[str]:
+        size = ENROLMENT["group_size"]
+        return [
+            g for g, sids in self.enrolled.items() if len(sids) == size and set(sids) - self.ended
+        ]
+
+    @precondition(lambda self: self._full_groups_open())
+    @rule(data=st.data())
+    def end_a_group(self, data: st.DataObject) -> None:
+        """The clients of a full group finish their sessions (as `finish` would, one by one)."""
+        group_id = data.draw(st.sampled_from(self._full_groups_open()))
+        for sid in self.enrolled[group_id]:
+            if sid not in self.ended:
+                self.finish({"session_id": sid}, "finished")
+
+    @invariant()
+    def groups_complete(self) -> None:
+        """Every group whose sessions all ended is complete, with exactly those sessions,
+        once; no session is in two groups, and no complete group holds an open session."""
+        params = {"after": 0, "wait_s": 0}
+        groups = self._send("GET", "/admin/enrolment/groups", admin=True, params=params)
+        complete = {g["group_id"]: g["sessions"] for g in groups.json()["groups"]}
+        listed = [sid for sessions in complete.values() for sid in sessions]
+        assert len(listed) == len(set(listed)), complete
+        assert set(listed) <= self.ended, complete
+        size = ENROLMENT["group_size"]
+        for group_id, sessions in self.enrolled.items():
+            if len(sessions) == size and set(sessions) <= self.ended:
+                assert complete.get(group_id) == sessions, (group_id, complete)
+                self.stats["groups complete"] += group_id not in self.checked
+                self.checked.add(group_id)
 
     @rule(session=sessions)
     def samples(self, session: dict[str, str]) -> None:
@@ -675,6 +830,7 @@ def test_fuzz_sequences_of_admin_and_agent_calls(
     # A short pause limit: a call a sequence leaves waiting fails (503 `paused`) soon.
     with _serve(tiny_model_dir, db_path, max_pause_wait_s=0.1) as served:
         GatewaySequences.served = served
+        GatewaySequences.stats = Counter()
         GatewaySequences.model_dir = tiny_model_dir
         steps = 0
 
@@ -704,7 +860,12 @@ def test_fuzz_sequences_of_admin_and_agent_calls(
             ),
         )
     _assert_store_consistent(db_path, interrupted_ok=True)
-    _write_line(request.config, f"fuzzed sequences of admin and agent calls: {steps} requests")
+    stats = GatewaySequences.stats
+    _write_line(
+        request.config,
+        f"fuzzed sequences of admin and agent calls: {steps} requests, "
+        f"{stats['enrolled']} sessions enrolled, {stats['groups complete']} complete groups checked",
+    )
 
 
 # -- outside the schema: paths no route serves, methods a route does not take ---------------------
