@@ -346,6 +346,7 @@ def _replicas_version(urls: list[str], expected: int | None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from lockgate.examples.deepresearch.serving import serve_model
+    from lockgate.gateway.calls.chat_format import ChatFormatError, resolve_chat_format
 
     version = None
     if args.replica_urls:
@@ -362,6 +363,10 @@ def _run(args: argparse.Namespace) -> int:
     # One evaluation, one store: a rerun into the same work dir starts it afresh.
     for stale in args.work_dir.glob(RunDir(args.work_dir).store.name + "*"):
         stale.unlink()
+    try:
+        chat_format = resolve_chat_format(args.chat_format, args.model)
+    except ChatFormatError as exc:
+        sys.exit(f"evaluate: --chat-format: {exc}")
     with serve_model(
         args.model,
         corpus,
@@ -370,6 +375,7 @@ def _run(args: argparse.Namespace) -> int:
         retrieval_url=args.retrieval_url,
         replica_urls=args.replica_urls or (),
         weights_version=version or 0,
+        chat_format=chat_format,
     ) as served:
         report = asyncio.run(
             evaluate(args, served.gateway_url, served.admin_token, served.retrieval_url)
@@ -455,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="evaluate a model (and the baselines) on held-out questions")
     run.add_argument("--model", type=Path, required=True, help="HF model dir")
+    run.add_argument(
+        "--chat-format",
+        default="auto",
+        help="the model's chat format, as a run config's model.chat_format (default: auto, "
+        "read from the model's files)",
+    )
     run.add_argument("--out", type=Path, required=True, help="where the JSON report goes")
     run.add_argument(
         "--kb-dir",

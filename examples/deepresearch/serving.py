@@ -4,7 +4,9 @@ A retrieval service (or one already running, by URL), local vLLM replicas of the
 replicas already running, by URL: the CPU recipe keeps one pair for both evaluations and the RL
 run between them) and a lockgate gateway in front of them that honours each call's sampling
 values (an evaluation asks for temperature 1 and for greedy). The same parts `lockgate train`
-starts, minus the trainer.
+starts, minus the trainer, and the same decision of the model's chat format
+(gateway/calls/chat_format.py: `auto` reads it from the model's files), so an evaluation renders
+and parses the model's calls as its training run did.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lockgate.coordinator.launch.gateway import GatewayProcess
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
 from lockgate.examples.deepresearch.retrieval.launcher import RetrievalService
+from lockgate.gateway.calls.chat_format import AUTO, resolve_chat_format
 from lockgate.gateway.config import GatewayConfig, SamplingPolicy
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
 
@@ -54,13 +57,16 @@ def serve_model(
     retrieval_url: str | None = None,
     replica_urls: Sequence[str] = (),
     weights_version: int = 0,
+    chat_format: str = AUTO,
 ) -> Iterator[Served]:
     """Retrieval, replicas and a gateway for `model_dir`; logs and the store in `work_dir`,
     laid out as a run dir's (so `lockgate view WORK_DIR` opens the store).
 
     With `replica_urls` no replica is started: those serve, holding the weights of
     `weights_version` (the gateway labels its records with it; `model_dir` gives the tokenizer
-    and chat template)."""
+    and chat template). `chat_format` is a run config's `model.chat_format`; one that cannot be
+    decided is a `ChatFormatError` (one line) before anything starts."""
+    renderer = resolve_chat_format(chat_format, model_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     logs = RunDir(work_dir).logs
     with contextlib.ExitStack() as stack:
@@ -83,6 +89,7 @@ def serve_model(
         gateway = GatewayProcess(
             GatewayConfig(
                 model_dir=model_dir,
+                renderer=renderer,
                 replicas=urls,
                 db_path=RunDir(work_dir).store,
                 admin_token=token,
