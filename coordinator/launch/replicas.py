@@ -158,6 +158,19 @@ def _cuda_args(c: ReplicaLaunchConfig) -> list[str]:
     ]
 
 
+def xgrammar_cache_environment() -> dict[str, str]:
+    """`VLLM_XGRAMMAR_CACHE_MB=0` where the installed xgrammar is 0.2.8 or older: its compiler
+    cache shares one token mask between grammar rules that differ only in a token, so a forced
+    tool call whose head is held to the tokenizer's tokens (gateway/calls/forced_budget.py)
+    would be masked by another call's tokens and fail in the replica. 0.2.9 keys them apart."""
+    try:
+        version = importlib.metadata.version("xgrammar")
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    parts = tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:3])
+    return {"VLLM_XGRAMMAR_CACHE_MB": "0"} if parts < (0, 2, 9) else {}
+
+
 def replica_environment(
     c: ReplicaLaunchConfig, cpu_bind: str, gpus: list[str] | None = None
 ) -> dict[str, str]:
@@ -170,6 +183,7 @@ def replica_environment(
             **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus is not None else {}),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            **xgrammar_cache_environment(),
         }
     return {
         **os.environ,
@@ -181,6 +195,7 @@ def replica_environment(
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         **(KEEP_FREED_MEMORY if c.keep_freed_memory else {}),
+        **xgrammar_cache_environment(),
     }
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from lockgate.gateway.calls.forced_budget import (
     CallDoesNotFit,
     ForcedBudget,
     bound_strings,
+    head_tokens,
+    held_head,
     most_tokens,
     plan_forced_budget,
 )
@@ -45,6 +47,7 @@ def tool_call_constraint(
     parallel_tool_calls: bool | None,
     special_tokens: Mapping[str, int] | None = None,
     max_tokens: int | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM `structured_outputs` forcing a tool call, or None when nothing is forced.
 
@@ -52,7 +55,9 @@ def tool_call_constraint(
     makes the tool call the very first thing it writes. `special_tokens`: the tokenizer's
     added tokens; format markers among them are matched as those tokens. With `max_tokens`,
     the thinking and the string arguments are bounded so that the call fits the budget
-    (forced_budget.py); a budget too small for any call is a 400.
+    (forced_budget.py); a budget too small for any call is a 400. `encode`: the tokenizer's
+    (no special tokens added); with it each call's head is held to the tokens it writes, and
+    the budget counts those (forced_budget.py says why, and what the replicas need for it).
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
@@ -99,13 +104,16 @@ def tool_call_constraint(
                 functools.partial(most_tokens, special=special),
                 may_think=reasoning == "auto",
                 whitespace=MAX_WHITESPACE,
+                count_head=functools.partial(head_tokens, special=special, encode=encode)
+                if encode
+                else None,
             )
         except CallDoesNotFit as exc:
             raise bad_request(str(exc), param="max_tokens") from exc
         if budget.think_tokens is None and reasoning == "auto":
             tag = tag_for("disabled")  # no room to think: the call comes first
         tag.format = _within_budget(tag.format, budget)
-    tag.format = _as_special_tokens(tag.format, special)
+    tag.format = _as_special_tokens(tag.format, special, encode)
     return {"structural_tag": json.dumps(tag.model_dump(mode="json", exclude_none=True))}
 
 
@@ -170,7 +178,9 @@ def _within_budget(fmt: Any, budget: ForcedBudget) -> Any:
     return fmt
 
 
-def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
+def _as_special_tokens(
+    fmt: Any, special: dict[str, int], encode: Callable[[str], list[int]] | None = None
+) -> Any:
     """The same format with the chat format's markers (`<tool_call>`, `</think>`, ...) matched
     as their special tokens, not as text.
 
@@ -178,9 +188,8 @@ def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
     ordinary tokens; a model spelling `<tool_call>` that way writes a call the format's parser
     (which looks for the special token) does not see. A trained model uses the special token
     anyway; a weak or random one may not. Tokens go by id: vLLM checks a tag without the
-    tokenizer, and token strings cannot be resolved there. (The text between the markers
-    stays text: written as token sequences, vLLM 0.32's xgrammar matcher rejected tokens its
-    own mask had allowed, now and then, failing the request.)
+    tokenizer, and token strings cannot be resolved there. With `encode`, the head after an
+    opening marker is held to the tokens `encode` writes (`_held`); the rest stays text.
     """
     from xgrammar import structural_tag as st
 
@@ -191,17 +200,18 @@ def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
         return next(((text[: -len(m)], m) for m in special if text.endswith(m)), None)
 
     def tag(t: st.TagFormat) -> st.TagFormat:
-        content = _as_special_tokens(t.content, special)
+        content = _as_special_tokens(t.content, special, encode)
         begin: str | st.TokenFormat = t.begin
         end: Any = t.end
         if isinstance(begin, str) and (b := split_begin(begin)):
             begin = st.TokenFormat(token=special[b[0]])
             if b[1]:
-                content = st.SequenceFormat(elements=[st.ConstStringFormat(value=b[1]), content])
+                head = _held(b[1], encode) if encode else _spelled(b[1], special)
+                content = st.SequenceFormat(elements=[*head, content])
         if isinstance(end, str) and (e := split_end(end)):
             end = st.TokenFormat(token=special[e[1]])
             if e[0]:
-                content = st.SequenceFormat(elements=[content, st.ConstStringFormat(value=e[0])])
+                content = st.SequenceFormat(elements=[content, *_spelled(e[0], special)])
         return st.TagFormat(begin=begin, content=content, end=end)
 
     if isinstance(fmt, st.TagFormat):
@@ -217,10 +227,42 @@ def _as_special_tokens(fmt: Any, special: dict[str, int]) -> Any:
     if isinstance(fmt, st.TagsWithSeparatorFormat):
         return fmt.model_copy(update={"tags": [tag(t) for t in fmt.tags]})
     if isinstance(fmt, st.SequenceFormat):
-        return st.SequenceFormat(elements=[_as_special_tokens(e, special) for e in fmt.elements])
+        return st.SequenceFormat(
+            elements=[_as_special_tokens(e, special, encode) for e in fmt.elements]
+        )
     if isinstance(fmt, st.OptionalFormat):
-        return st.OptionalFormat(content=_as_special_tokens(fmt.content, special))
+        return st.OptionalFormat(content=_as_special_tokens(fmt.content, special, encode))
     return fmt
+
+
+def _spelled(text: str, special: Mapping[str, int]) -> list[Any]:
+    """Fixed text as text, with the format's markers inside it (DeepSeek's `<｜tool▁sep｜>` after
+    the name, its `<｜tool▁call▁end｜>` before `<｜tool▁calls▁end｜>`) as their tokens: spelt
+    as text, a marker could take a token a byte, past what the budget reserves, and the parser
+    would not see it."""
+    import re
+
+    from xgrammar import structural_tag as st
+
+    markers = sorted((m for m in special if m in text), key=len, reverse=True)
+    if not markers:
+        return [st.ConstStringFormat(value=text)]
+    pieces = re.split("(" + "|".join(map(re.escape, markers)) + ")", text)
+    return [
+        st.TokenFormat(token=special[p]) if p in special else st.ConstStringFormat(value=p)
+        for p in pieces
+        if p
+    ]
+
+
+def _held(text: str, encode: Callable[[str], list[int]]) -> list[Any]:
+    """A head's text as the tokens `encode` writes, then its closing whitespace as text
+    (forced_budget.held_head): what `head_tokens` counts."""
+    from xgrammar import structural_tag as st
+
+    held, loose = held_head(text)
+    out: list[Any] = [st.TokenFormat(token=t) for t in encode(held)]
+    return out + ([st.ConstStringFormat(value=loose)] if loose else [])
 
 
 def _describe(tool_choice: str | NamedToolChoice) -> str:

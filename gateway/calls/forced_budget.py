@@ -14,16 +14,22 @@ parallel calls as they are.
 
 The reserve counts the call as the grammar lets the model write it, because only the most
 tokens the grammar allows makes the promise hold; a count of how a model usually writes it
-would not. The grammar is characters between the format's markers (each matched as its special
-token), and a byte-level tokenizer may spell any of those characters a byte a token, so the
-call's fixed text and its shortest arguments count a token a UTF-8 byte (`most_tokens`) and
-the JSON whitespace a token a place. Holding the fixed text to the tokenizer's own tokens
-would make the reserve far smaller, but vLLM's xgrammar backend (its compiled-grammar cache)
-then masked tokens a request's own grammar rejects, failing the request; so that waits for a
-fixed xgrammar (docs/performance.md).
+would not. The format's markers are matched as their special tokens. The call's head (the
+tool's name and the JSON around it, up to its arguments) is held to the tokenizer's own
+tokens when the caller gives its `encode` (`held_head`), so it counts exactly those
+(`head_tokens`); the whitespace that ends the head stays characters, so that a model may join
+it to the arguments' first token as its tokenizer does. Everything else is characters, which a
+byte-level tokenizer may spell a byte a token: the arguments, the tail after them and the head
+when no tokenizer is given count a token a UTF-8 byte (`most_tokens`), the JSON whitespace a
+token a place.
 
-Pure: token counts come from a function the caller passes (`most_tokens` for the worst
-case the grammar allows).
+A head held to tokens needs an xgrammar that keys cached token masks by the token too:
+xgrammar 0.2.8's compiler cache shares one mask between rules that differ only in a token, so
+a replica must run with its cache off (`VLLM_XGRAMMAR_CACHE_MB=0`, which the launcher sets);
+docs/performance.md.
+
+Pure: token counts come from functions the caller passes (`most_tokens` for the worst
+case the grammar allows, `head_tokens` for a head held to the tokenizer's tokens).
 """
 
 from __future__ import annotations
@@ -74,16 +80,19 @@ def plan_forced_budget(
     *,
     may_think: bool,
     whitespace: int,
+    count_head: Callable[[str], int] | None = None,
 ) -> ForcedBudget:
     """The bounds for a forced call within `budget` tokens.
 
     `calls`: per tool, the call's opening text, its parameters' JSON schema and its closing
     text, as the chat format writes them. The reserve is the longest shortest call over the
     tools (the model picks which), with `whitespace` characters allowed in each JSON position
-    (cut to one, which is all a compact call needs, unless the budget is ample).
+    (cut to one, which is all a compact call needs, unless the budget is ample). The opening
+    text counts by `count_head` (default: `count_tokens`), the rest by `count_tokens`.
     """
+    head = count_head or count_tokens
     tool, floor, positions = max(
-        ((name, *_shortest_call(spec, count_tokens)) for name, spec in calls.items()),
+        ((name, *_shortest_call(spec, head, count_tokens)) for name, spec in calls.items()),
         key=lambda t: t[1] + t[2] * whitespace,
     )
     floor += END_OF_TURN_TOKENS
@@ -171,7 +180,9 @@ def _free_strings(schema: Any) -> int:
 
 
 def _shortest_call(
-    spec: tuple[str, Mapping[str, Any], str], count_tokens: Callable[[str], int]
+    spec: tuple[str, Mapping[str, Any], str],
+    count_head: Callable[[str], int],
+    count_tokens: Callable[[str], int],
 ) -> tuple[int, int]:
     """Tokens of the call with its shortest arguments, and the JSON positions where the
     grammar lets whitespace in (inside each bracket, either side of each colon and comma;
@@ -179,7 +190,7 @@ def _shortest_call(
     begin, schema, end = spec
     args = json.dumps(shortest_instance(schema), separators=(",", ":"))
     positions = sum(args.count(c) for c in "{}[]") + 2 * sum(args.count(c) for c in ":,")
-    return count_tokens(begin) + count_tokens(args) + count_tokens(end), positions
+    return count_head(begin) + count_tokens(args) + count_tokens(end), positions
 
 
 def most_tokens(text: str, special: Mapping[str, int]) -> int:
@@ -192,6 +203,27 @@ def most_tokens(text: str, special: Mapping[str, int]) -> int:
         if marker in text:
             count -= text.count(marker) * (len(marker.encode()) - 1)
     return count
+
+
+def held_head(text: str) -> tuple[str, str]:
+    """A call's head past its opening marker, as the part held to the tokenizer's tokens and
+    the whitespace after it, which stays characters: a tokenizer may spell that whitespace
+    together with the arguments' first characters (`" {"`), and holding it apart would make
+    the model write a spelling it never learnt."""
+    held = text.rstrip()
+    return held, text[len(held) :]
+
+
+def head_tokens(text: str, special: Mapping[str, int], encode: Callable[[str], list[int]]) -> int:
+    """The most tokens a call's head `text` takes when the grammar holds it to the tokenizer's
+    tokens: its opening marker one, the rest as `encode` writes it (`held_head`), the
+    whitespace after that a token a byte. A head without a marker to open it is characters
+    (`most_tokens`)."""
+    marker = next((m for m in special if text.startswith(m)), None)
+    if marker is None:
+        return most_tokens(text, special)
+    held, loose = held_head(text[len(marker) :])
+    return 1 + len(encode(held)) + len(loose.encode())
 
 
 def shortest_instance(schema: Any) -> Any:

@@ -152,6 +152,7 @@ class CallPipeline:
             parallel_tool_calls=req.parallel_tool_calls,
             special_tokens=self.renderer.special_tokens,
             max_tokens=sampling["max_tokens"],
+            encode=self._encode_text,
         )
         if constraint is not None:
             sampling["structured_outputs"] = constraint
@@ -208,6 +209,9 @@ class CallPipeline:
 
     def _decode(self, ids: list[int]) -> str:
         return self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.renderer.tokenizer.encode(text, add_special_tokens=False)
 
     def sampling_for(
         self, req: ChatCompletionRequest | CompletionRequest, room: int

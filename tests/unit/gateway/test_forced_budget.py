@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -9,14 +10,18 @@ from typing import Any
 
 import pytest
 
+from lockgate.coordinator.launch.replicas import xgrammar_cache_environment
 from lockgate.gateway.calls.constraints import tool_call_constraint
 from lockgate.gateway.calls.forced_budget import (
     CallDoesNotFit,
     bound_strings,
+    head_tokens,
+    held_head,
     most_tokens,
     plan_forced_budget,
     shortest_instance,
 )
+from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.schema import ToolSpec
 
 CITY = {
@@ -158,6 +163,29 @@ def test_the_worst_case_counts_markers_as_one_token_and_text_a_token_a_byte() ->
     assert most_tokens('{"é": "中"}', special) == 8 + 2 + 3
 
 
+def test_a_head_held_to_tokens_counts_its_marker_its_tokens_and_its_closing_space() -> None:
+    special = {"<tool_call>": 1012}
+    assert held_head('\n{"a": ') == ('\n{"a":', " ")
+    assert held_head("x") == ("x", "")
+    # The marker, then the stand-in tokenizer's 3 words, then the closing space (a byte).
+    assert head_tokens(BEGIN, special, lambda t: t.split()) == 1 + 3 + 1
+    # No marker to open it: the head is characters, the worst case.
+    assert head_tokens('{"a": ', special, lambda t: t.split()) == most_tokens('{"a": ', special)
+
+
+def test_the_head_counts_by_its_own_counter_and_the_rest_by_the_worst_case() -> None:
+    calls = {"get_weather": (BEGIN, CITY, END)}
+    plan = plan_forced_budget(
+        FLOOR + PLACES, calls, _words, may_think=False, whitespace=4, count_head=lambda _: 4
+    )
+    assert plan.string_chars == 0
+    with pytest.raises(CallDoesNotFit) as info:
+        plan_forced_budget(
+            FLOOR + PLACES, calls, _words, may_think=False, whitespace=4, count_head=lambda _: 5
+        )
+    assert info.value.needed == FLOOR + PLACES + 1
+
+
 @pytest.mark.parametrize(
     ("schema", "shortest"),
     [
@@ -192,11 +220,11 @@ def tok(tiny_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-def _forced(tok: Any, schema: Any, max_tokens: int) -> dict[str, Any]:
-    """The constraint the gateway sends for a forced call to `get_weather`."""
+def _forced(tok: Any, schema: Any, max_tokens: int, name: str = "get_weather") -> dict[str, Any]:
+    """The constraint the gateway sends for a forced call to the tool `name`."""
     tools = [
         ToolSpec.model_validate(
-            {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+            {"type": "function", "function": {"name": name, "parameters": schema}}
         )
     ]
     constraint = tool_call_constraint(
@@ -207,45 +235,51 @@ def _forced(tok: Any, schema: Any, max_tokens: int) -> dict[str, Any]:
         parallel_tool_calls=None,
         special_tokens=dict(tok.get_added_vocab()),
         max_tokens=max_tokens,
+        encode=functools.partial(tok.encode, add_special_tokens=False),
     )
     assert constraint is not None
     return constraint
 
 
-def _compiled(tok: Any, constraint: dict[str, Any]) -> tuple[Any, Any, list[int]]:
-    """The constraint compiled by xgrammar as vLLM does: its grammar, tokenizer info, stops."""
+def _replica_compiler(tok: Any) -> tuple[Any, Any]:
+    """xgrammar's compiler as a replica the launcher starts makes it, and its tokenizer info:
+    vLLM's XgrammarBackend sizes the compiler's cache from VLLM_XGRAMMAR_CACHE_MB (512 unless
+    set), which the launcher sets."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
-    grammar = xgr.GrammarCompiler(info).compile_structural_tag(constraint["structural_tag"])
+    megabytes = int(xgrammar_cache_environment().get("VLLM_XGRAMMAR_CACHE_MB", "512"))
+    return xgr.GrammarCompiler(info, max_threads=8, cache_limit_bytes=megabytes * 2**20), info
+
+
+def _compiled(
+    tok: Any, constraint: dict[str, Any], compiler: tuple[Any, Any] | None = None
+) -> tuple[Any, Any, list[int]]:
+    """The constraint compiled by xgrammar as vLLM does: its grammar, tokenizer info, stops."""
+    compile_with, info = compiler or _replica_compiler(tok)
+    grammar = compile_with.compile_structural_tag(constraint["structural_tag"])
     stops = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     return grammar, info, stops
 
 
 def _shortest_served(tok: Any, schema: Any) -> int:
     """The smallest budget the gateway serves a forced call to the tool in."""
-    from lockgate.gateway.errors import GatewayError
-
     with pytest.raises(GatewayError) as info:
         _forced(tok, schema, 1)
     return int(str(info.value).split("takes ")[1].split(" ")[0])
 
 
-@pytest.mark.parametrize("schema", [CITY, TWO], ids=["one-string", "two-strings"])
-def test_any_path_the_grammar_allows_closes_the_call_within_the_smallest_budget(
-    tok: Any, schema: Any
-) -> None:
-    """Random walks through the compiled grammar at the smallest budget served, half of them
-    spelling everything in the shortest tokens allowed (the longest spelling): every one
-    ends, within the budget."""
+def _walks(tok: Any, compiled: tuple[Any, Any, list[int]], budget: int, walks: int) -> int:
+    """Random walks through a compiled grammar, half of them spelling everything in the
+    shortest tokens allowed (the longest spelling): each takes only what the mask allows,
+    the matcher takes it, and the walk ends, within `budget`. The longest walk's length."""
     import xgrammar as xgr
 
-    budget = _shortest_served(tok, schema)
-    grammar, info, stops = _compiled(tok, _forced(tok, schema, budget))
+    grammar, info, stops = compiled
     rng = random.Random(43)
     mask = xgr.allocate_token_bitmask(1, info.vocab_size)
     lengths = []
-    for walk in range(60):
+    for walk in range(walks):
         matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=stops)
         ids: list[int] = []
         while not matcher.is_terminated() and len(ids) <= budget:
@@ -256,12 +290,65 @@ def test_any_path_the_grammar_allows_closes_the_call_within_the_smallest_budget(
                 shortest = min(len(tok.convert_ids_to_tokens(a)) for a in text)
                 allowed = [a for a in text if len(tok.convert_ids_to_tokens(a)) == shortest]
             token = rng.choice(allowed)
-            assert matcher.accept_token(token)  # what the mask allows, the matcher takes
+            assert matcher.accept_token(token), tok.decode(ids)  # what the mask allows
             ids.append(token)
         assert matcher.is_terminated() and len(ids) <= budget, tok.decode(ids)
         assert tok.convert_tokens_to_ids("<tool_call>") in ids
         lengths.append(len(ids))
-    print(f"\n60 walks at max_tokens {budget}, {max(lengths)} tokens at most")
+    return max(lengths)
+
+
+@pytest.mark.parametrize("schema", [CITY, TWO], ids=["one-string", "two-strings"])
+def test_any_path_the_grammar_allows_closes_the_call_within_the_smallest_budget(
+    tok: Any, schema: Any
+) -> None:
+    budget = _shortest_served(tok, schema)
+    longest = _walks(tok, _compiled(tok, _forced(tok, schema, budget)), budget, 60)
+    print(f"\n60 walks at max_tokens {budget}, {longest} tokens at most")
+
+
+def test_a_one_string_tool_is_served_at_48_tokens_and_every_walk_fits(tok: Any) -> None:
+    assert _walks(tok, _compiled(tok, _forced(tok, CITY, 48)), 48, 40) <= 48
+
+
+def test_a_budget_below_the_canonical_call_is_refused_naming_the_tokens_it_needs(
+    tok: Any,
+) -> None:
+    """The head counts as the tokenizer writes it, the rest a token a byte."""
+    head = tok.encode('\n{"name": "get_weather", "arguments":', add_special_tokens=False)
+    # <tool_call>, the head, its space, '{"city":""}', "}\n", </tool_call>, the stop.
+    needed = 1 + len(head) + 1 + 11 + 2 + 1 + 1 + PLACES
+    assert _shortest_served(tok, CITY) == needed < 48
+    with pytest.raises(GatewayError, match=f"its shortest form takes {needed} tokens") as info:
+        _forced(tok, CITY, needed - 1)
+    assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("version", "env"),
+    [("0.2.8", {"VLLM_XGRAMMAR_CACHE_MB": "0"}), ("0.2.9", {}), ("0.3.0rc1", {})],
+)
+def test_the_launcher_turns_the_cache_off_only_for_an_xgrammar_that_mixes_tokens_up(
+    monkeypatch: pytest.MonkeyPatch, version: str, env: dict[str, str]
+) -> None:
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda _: version)
+    assert xgrammar_cache_environment() == env
+
+
+def test_grammars_of_several_tools_compiled_in_a_row_each_mask_their_own_head(tok: Any) -> None:
+    """One compiler, as one replica holds, compiling different tools' grammars in a row (the
+    heads differ only in their tokens): each grammar's masks are its own."""
+    compiler = _replica_compiler(tok)
+    tools = [
+        ("get_weather", CITY),
+        ("get_forecast", TWO),
+        ("look", {"properties": {"q": {"type": "string"}}, "required": ["q"]}),
+        ("get_weather", CITY),
+    ]
+    for name, schema in tools:
+        _walks(tok, _compiled(tok, _forced(tok, schema, 64, name), compiler), 64, 10)
 
 
 def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(tok: Any) -> None:
@@ -306,9 +393,11 @@ def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(tok
     matcher.fill_next_token_bitmask(mask)
     assert _allowed(mask, info.vocab_size) == [tok.convert_tokens_to_ids("</think>")]
     # Thinking and the string's shares, and the call's reserve, add up within the budget.
-    # The worst case: the fixed text spelt a byte a token, the markers as their tokens.
+    # The worst case: the head as the tokenizer writes it, the rest a byte a token, the
+    # markers as their tokens, and the stop.
     special = dict(tok.get_added_vocab())
-    fixed = sum(most_tokens(p, special) for p in (begin, '{"city":""}', end)) + 1  # + the stop
+    head = head_tokens(begin, special, functools.partial(tok.encode, add_special_tokens=False))
+    fixed = head + sum(most_tokens(p, special) for p in ('{"city":""}', end)) + 1
     assert fixed + PLACES + 4 + think + longest <= 96, (fixed, think, longest)
     assert think > 8 and longest > 8  # both shares are real
 
