@@ -357,6 +357,7 @@ async def _run_loop(
                 config.loop.group_size,
                 config.loop.rollout_timeout_s,
                 url=public_urls[parts.gateway_url],
+                resume=state is not None,
             )
             _say(
                 f"client-driven rollouts: enrol sessions at {enrolment.url}/v1/sessions with "

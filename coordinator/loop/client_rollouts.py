@@ -20,19 +20,25 @@ In the controller's terms: the gateway counts the groups started through this en
 less the groups dropped since), so the gateway may start a new group while
 `its count < capacity(version) - controller.groups_started`.
 
-On resume the enrolment opens again with its counts at zero: groups pending at the checkpoint
-are abandoned (their sessions stay recorded, never trained), as dispatch abandons the partial
-rollouts of the groups it starts again.
+On resume the enrolment opens again with the run's key (RUN_DIR/enrolment.json), so clients
+holding it go on, and with its counts at zero; the coordinator collects from its first group.
+No group is trained twice: the gateway drops every group it handed to a coordinator before,
+so the groups pending at the checkpoint are abandoned (their sessions stay recorded, never
+trained; steps that trained them after the checkpoint are undone with the trainer's
+weights), as dispatch abandons the partial rollouts of the groups it starts again. A gateway
+that outlived the coordinator keeps the groups it handed to none, open or complete, for the
+resumed run (enrolment.py's `reopen`); a restarted one starts with none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from lockgate.agent_runtime import RolloutResult
 from lockgate.coordinator.loop.sources import GroupSink
@@ -40,6 +46,8 @@ from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.api.session_keys import new_enrolment_key
 from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.schema import CompleteGroup, SessionInfo
+
+log = logging.getLogger(__name__)
 
 # How long one request for complete groups waits at the gateway before asking again.
 COLLECT_WAIT_S = 10.0
@@ -140,6 +148,17 @@ class ClientSource:
         await sink.offer(group)
 
 
+def _previous_key(path: Path) -> str | None:
+    """The key of the run dir's enrolment file; None when there is no usable one."""
+    try:
+        return EnrolmentFile.model_validate_json(path.read_bytes()).key
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError) as exc:
+        log.warning("%s is unreadable (%s): the run gets a new enrolment key", path, exc)
+        return None
+
+
 def enrol_clients(
     gateway: GatewayClient,
     run_dir: Path,
@@ -147,13 +166,15 @@ def enrol_clients(
     timeout_s: float | None = None,
     *,
     url: str | None = None,
+    resume: bool = False,
 ) -> tuple[ClientSource, EnrolmentFile]:
-    """A fresh enrolment key, written to the run dir for clients with the gateway's `url` as
+    """The enrolment key (a fresh one; with `resume`, the run's own from its enrolment file,
+    so that its clients go on), written to the run dir for clients with the gateway's `url` as
     they reach it (default: the coordinator's), and the source that opens the enrolment with it
     when the loop starts (groups incomplete after `timeout_s` closed)."""
-    enrolment = EnrolmentFile(
-        url=url or gateway.base_url, key=new_enrolment_key(), group_size=group_size
-    )
-    write_enrolment_file(RunDir(run_dir).enrolment, enrolment)
+    path = RunDir(run_dir).enrolment
+    key = (_previous_key(path) if resume else None) or new_enrolment_key()
+    enrolment = EnrolmentFile(url=url or gateway.base_url, key=key, group_size=group_size)
+    write_enrolment_file(path, enrolment)
     source = ClientSource(gateway, enrolment.key, group_size, timeout_s=timeout_s)
     return source, enrolment

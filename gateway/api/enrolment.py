@@ -16,6 +16,11 @@ incomplete `timeout_s` after its first session is closed (no session joins it an
 sessions still open are failed by the caller of `expired` (the routes, each time the
 coordinator collects), and it completes with the members it has; the loop's `min_group_size`
 decides whether it is trained on. A group id that completed is never opened again.
+
+A coordinator that restarts (`lockgate train --resume`) against a gateway that did not opens
+the enrolment again with the same key (`reopen`): the groups it was handed before are
+forgotten, so none is collected and trained twice, while the groups no coordinator was handed
+yet stay, open or complete, so the clients' work since the kill is not lost.
 """
 
 from __future__ import annotations
@@ -84,6 +89,25 @@ class Enrolment:
         self._complete: list[CompleteGroup] = []
         self._closed: set[str] = set()  # completed group ids
         self._completed = asyncio.Event()
+        self._handed = 0  # the last seq answered to a collecting coordinator
+
+    def reopen(self, body: OpenEnrolment) -> None:
+        """Open again for a coordinator that restarted with the same key and group size.
+
+        Counts start over, as for a new enrolment, except for the groups no coordinator was
+        handed: the open ones (clients are running them) and the ones completed since the last
+        collection, numbered again from 1; each holds its slot. The groups handed over before
+        are dropped: the coordinator's checkpoint holds those it trained, and the rest were
+        abandoned with the steps after it.
+        """
+        assert self.is_key(body.key) and body.group_size == self.group_size
+        self.timeout_s = body.timeout_s
+        self.groups_admitted = body.groups_admitted
+        self.retry_after_s = body.retry_after_s
+        unhanded = [g for g in self._complete if g.seq > self._handed]
+        self._complete = [g.model_copy(update={"seq": i}) for i, g in enumerate(unhanded, 1)]
+        self._handed = 0
+        self.groups_started = len(self._groups) + len(self._complete)
 
     def is_key(self, key: str | None) -> bool:
         return key is not None and hmac.compare_digest(key_digest(key), self.key_digest)
@@ -180,7 +204,10 @@ class Enrolment:
                     await self._completed.wait()
         except TimeoutError:
             pass
-        return self.complete_after(seq)
+        groups = self.complete_after(seq)
+        if groups:
+            self._handed = max(self._handed, groups[-1].seq)
+        return groups
 
     def open_groups(self) -> list[EnrolmentGroup]:
         return [

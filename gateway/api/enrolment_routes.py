@@ -5,7 +5,9 @@ session in a group, `GET /v1/enrolment` says the group size, the model and the o
 The enrolment key reaches nothing else: every admin route compares against the admin token
 only, and the session-key routes look up session keys only.
 
-The coordinator, with the admin token: `PUT /admin/enrolment` opens it, `POST
+The coordinator, with the admin token: `PUT /admin/enrolment` opens it (again, after the
+coordinator restarted: with the same key and group size it reopens the one open, keeping the
+groups no coordinator was handed yet; enrolment.py), `POST
 /admin/enrolment/admitted` raises the number of groups that may have started, `GET
 /admin/enrolment/groups?after=SEQ&wait_s=S` answers the groups completed since SEQ, waiting up
 to S seconds for one; groups past their time limit are closed then (enrolment.py).
@@ -126,7 +128,16 @@ def _admin_routes(router: APIRouter, gateway: Gateway) -> None:
     @router.put("/admin/enrolment")
     async def open_enrolment(request: Request) -> Response:
         require_admin(gateway, request)
-        gateway.enrolment = Enrolment(validate(OpenEnrolment, parse_json(await request.body())))
+        body = validate(OpenEnrolment, parse_json(await request.body()))
+        current = gateway.enrolment
+        if (
+            current is not None
+            and current.is_key(body.key)
+            and current.group_size == body.group_size
+        ):
+            current.reopen(body)
+        else:
+            gateway.enrolment = Enrolment(body)
         return json_response({"group_size": gateway.enrolment.group_size})
 
     @router.post("/admin/enrolment/admitted")

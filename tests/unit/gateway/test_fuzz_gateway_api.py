@@ -206,7 +206,9 @@ class Served:
         status = self.admin("GET", "/admin/status").json()
         assert status["state"] == "serving", status
         assert [r["url"] for r in status["replicas"]] == [REPLICA], status
-        # The fixture's enrolment, with its key, whatever an admin case opened or admitted.
+        # The fixture's enrolment, fresh, whatever an admin case opened or admitted: opened
+        # with another key first, since the same key would reopen it with its groups.
+        self.admin("PUT", "/admin/enrolment", json={**ENROLMENT, "key": ENROLMENT_KEY + "-x"})
         self.admin("PUT", "/admin/enrolment", json=ENROLMENT)
 
 
