@@ -25,11 +25,9 @@ from lockgate.gateway.calls.forced_budget import (
     most_tokens,
     plan_forced_budget,
 )
+from lockgate.gateway.calls.forced_formats import FORCED_FORMATS
 from lockgate.gateway.errors import bad_request
 from lockgate.gateway.schema import NamedToolChoice, ToolSpec
-
-# `renderers` chat-format name -> xgrammar's model key for the same tool-call syntax.
-_XGRAMMAR_FORMATS = {"qwen3": "qwen_3"}
 
 # Whitespace the grammar allows between JSON tokens, at most, in one place: unbounded, a weak
 # model can fill its whole budget with it inside a call; no real call needs more.
@@ -65,11 +63,11 @@ def tool_call_constraint(
         raise bad_request(
             "tool_choice requires 'tools': there is no tool to call", param="tool_choice"
         )
-    fmt = _XGRAMMAR_FORMATS.get(renderer)
-    if fmt is None:
+    forced = FORCED_FORMATS.get(renderer)
+    if forced is None:
         raise bad_request(
             f"tool_choice '{_describe(tool_choice)}' is not supported for the '{renderer}' "
-            f"chat format (constrained tool calls exist for: {', '.join(_XGRAMMAR_FORMATS)})",
+            f"chat format (constrained tool calls exist for: {', '.join(FORCED_FORMATS)})",
             param="tool_choice",
         )
     choice: str | dict[str, Any] = "required"
@@ -85,11 +83,11 @@ def tool_call_constraint(
 
     def tag_for(reasoning: Reasoning) -> Any:
         return xgrammar.get_model_structural_tag(
-            fmt,
+            forced.xgrammar,
             tools=[t.model_dump(exclude_none=True) for t in tools],
             tool_choice=choice,
-            reasoning=reasoning,
-            parallel_tool_calls=parallel_tool_calls is not False,
+            reasoning=forced.xgrammar_reasoning(reasoning),
+            parallel_tool_calls=parallel_tool_calls is not False and not forced.one_call_per_turn,
             max_whitespace_cnt=MAX_WHITESPACE,
         )
 
@@ -102,8 +100,10 @@ def tool_call_constraint(
                 max_tokens,
                 calls,
                 functools.partial(most_tokens, special=special),
-                may_think=reasoning == "auto",
+                may_think=forced.may_think(reasoning),
                 whitespace=MAX_WHITESPACE,
+                think_overhead=forced.think_overhead,
+                fixed=forced.fixed,
                 count_head=functools.partial(head_tokens, special=special, encode=encode)
                 if encode
                 else None,
@@ -112,7 +112,7 @@ def tool_call_constraint(
             raise bad_request(str(exc), param="max_tokens") from exc
         if budget.think_tokens is None and reasoning == "auto":
             tag = tag_for("disabled")  # no room to think: the call comes first
-        tag.format = _within_budget(tag.format, budget)
+        tag.format = _within_budget(tag.format, forced.bounded(budget))
     tag.format = _as_special_tokens(tag.format, special, encode)
     return {"structural_tag": json.dumps(tag.model_dump(mode="json", exclude_none=True))}
 
@@ -122,11 +122,16 @@ def _calls_in(fmt: Any) -> list[tuple[str, tuple[str, Any, str]]]:
     from xgrammar import structural_tag as st
 
     if isinstance(fmt, st.TagFormat):
+        end = fmt.end if isinstance(fmt.end, str) else max(fmt.end, key=len)
         if isinstance(fmt.content, st.JSONSchemaFormat) and isinstance(fmt.begin, str):
-            end = fmt.end if isinstance(fmt.end, str) else max(fmt.end, key=len)
             return [(fmt.begin, (fmt.begin, fmt.content.json_schema, end))]
-        return _calls_in(fmt.content)
-    if isinstance(fmt, st.TriggeredTagsFormat):
+        # A tag around calls (DeepSeek's tool-calls block) writes its text with each of them.
+        wrap = fmt.begin if isinstance(fmt.begin, str) else ""
+        return [
+            (b, (wrap + head, schema, tail + end))
+            for b, (head, schema, tail) in _calls_in(fmt.content)
+        ]
+    if isinstance(fmt, st.TriggeredTagsFormat | st.TagsWithSeparatorFormat):
         return [c for t in fmt.tags for c in _calls_in(t)]
     if isinstance(fmt, st.SequenceFormat):
         return [c for e in fmt.elements for c in _calls_in(e)]
@@ -136,7 +141,9 @@ def _calls_in(fmt: Any) -> list[tuple[str, tuple[str, Any, str]]]:
 
 
 def _tool_named_in(begin: str, tools: list[ToolSpec]) -> str:
-    return next((t.function.name for t in tools if f'"{t.function.name}"' in begin), begin)
+    """The tool a call's opening text names (quoted in JSON formats, bare in DeepSeek's)."""
+    named = [t.function.name for t in tools if t.function.name in begin]
+    return max(named, key=len, default=begin)
 
 
 def _within_budget(fmt: Any, budget: ForcedBudget) -> Any:
@@ -169,6 +176,10 @@ def _within_budget(fmt: Any, budget: ForcedBudget) -> Any:
         )
     if isinstance(fmt, st.TriggeredTagsFormat):
         return fmt.model_copy(update={"tags": [_within_budget(t, budget) for t in fmt.tags]})
+    if isinstance(fmt, st.TagsWithSeparatorFormat):
+        tags = [_within_budget(t, budget) for t in fmt.tags]
+        one = fmt.stop_after_first or budget.one_call
+        return fmt.model_copy(update={"tags": tags, "stop_after_first": one})
     if isinstance(fmt, st.SequenceFormat):
         return fmt.model_copy(
             update={"elements": [_within_budget(e, budget) for e in fmt.elements]}

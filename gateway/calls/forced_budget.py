@@ -81,6 +81,8 @@ def plan_forced_budget(
     may_think: bool,
     whitespace: int,
     count_head: Callable[[str], int] | None = None,
+    think_overhead: int = THINK_OVERHEAD_TOKENS,
+    fixed: int = 0,
 ) -> ForcedBudget:
     """The bounds for a forced call within `budget` tokens.
 
@@ -89,13 +91,16 @@ def plan_forced_budget(
     tools (the model picks which), with `whitespace` characters allowed in each JSON position
     (cut to one, which is all a compact call needs, unless the budget is ample). The opening
     text counts by `count_head` (default: `count_tokens`), the rest by `count_tokens`.
+    `think_overhead`: the tokens of the think block's own markers, written only with thinking;
+    `fixed`: tokens the format writes before every call, thinking or not (a think block the
+    prompt opened is closed even when empty).
     """
     head = count_head or count_tokens
     tool, floor, positions = max(
         ((name, *_shortest_call(spec, head, count_tokens)) for name, spec in calls.items()),
         key=lambda t: t[1] + t[2] * whitespace,
     )
-    floor += END_OF_TURN_TOKENS
+    floor += END_OF_TURN_TOKENS + fixed
     # A budget of four calls or more is ample: it keeps the whitespace and parallel calls.
     ample = budget >= 4 * (floor + positions * whitespace)
     if not ample:
@@ -106,10 +111,10 @@ def plan_forced_budget(
     strings = max(_free_strings(spec[1]) for spec in calls.values())
     slack = budget - needed
     think: int | None = None
-    if may_think and slack >= THINK_OVERHEAD_TOKENS:
+    if may_think and slack >= think_overhead:
         # Without strings to write, the thinking may have all the room.
-        think = (slack - THINK_OVERHEAD_TOKENS) // (2 if strings else 1)
-        slack -= THINK_OVERHEAD_TOKENS + think
+        think = (slack - think_overhead) // (2 if strings else 1)
+        slack -= think_overhead + think
     string_chars = slack // strings if strings and not ample else None
     return ForcedBudget(
         think_tokens=think, string_chars=string_chars, whitespace=whitespace, one_call=not ample

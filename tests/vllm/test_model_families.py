@@ -39,8 +39,9 @@ from tests.vllm.test_openai_sdk import FORCED, TOOLS
 pytestmark = pytest.mark.vllm
 
 ADMIN = "admin-token-for-family-tests"
-# Formats whose forced calls the gateway constrains (gateway/calls/constraints.py).
-CONSTRAINED = {"qwen3"}
+# Formats whose forced calls the gateway constrains (gateway/calls/forced_formats.py): those
+# xgrammar has a structural tag for in the format's own syntax.
+CONSTRAINED = {"qwen3", "llama-3", "deepseek-r1"}
 
 
 @dataclass(frozen=True)
