@@ -191,8 +191,47 @@ class GatewaySection(BaseModel):
         return None if url is None else service_url(url)
 
 
+class CollectiveSection(BaseModel):
+    """Where the `collective` weights transport's group meets (gateway/sync/weights.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    address: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="The address of the trainer's host (rank 0 hosts the group's store there) "
+        "as the replicas reach it: this machine's loopback suits replicas started here; "
+        "replicas on other hosts need the trainer host's own address.",
+    )
+    port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="The group's store port on the trainer's host; 0: a free one at launch.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto",
+        description="torch.distributed backend of the group. auto: nccl where the replicas and "
+        "the trainer both run on cuda, else gloo (CPU tensors).",
+    )
+    timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Each part of a transfer (forming the group, each message, the load) "
+        "fails after this long, so a member that dies fails the sync rather than hanging it.",
+    )
+
+
 class SyncSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    transport: Literal["disk", "collective"] = Field(
+        default="disk",
+        description="How new weights reach the replicas: disk (the trainer writes a "
+        "safetensors snapshot in the run dir that every replica reads: a volume they share) or "
+        "collective (trainer rank 0 streams them over a torch.distributed group the replicas' "
+        "workers join, gloo on CPU and NCCL on CUDA: no file, no shared volume; the "
+        "`collective` section says where the group meets). docs/deploy.md compares them.",
+    )
+    collective: CollectiveSection = Field(default_factory=CollectiveSection)
     mode: PauseMode = Field(
         default="abort",
         description="How a weight sync treats calls in flight: abort (cut them, keep their "
@@ -238,6 +277,15 @@ class SyncSection(BaseModel):
         "every step waits for its own sync.",
     )
 
+    @model_validator(mode="after")
+    def _staging_is_disks(self) -> SyncSection:
+        if self.transport == "collective" and self.stage:
+            raise ValueError(
+                "sync.stage prepares the load of a disk snapshot while the replicas serve; "
+                "with sync.transport: collective there is none (set stage: false)"
+            )
+        return self
+
 
 class TrainerSection(TrainerConfig):
     @model_validator(mode="before")
@@ -260,6 +308,17 @@ class TrainerSection(TrainerConfig):
         "rank r takes entry r), for trainer.device cuda. Unset: the first ones the replicas "
         "leave.",
     )
+    weights: Literal["disk", "collective"] = Field(  # type: ignore[assignment]
+        default="disk", exclude=True, description="Set sync.transport instead."
+    )
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _weights_are_the_syncs(cls, value: object) -> str:
+        if value != "disk":
+            raise ValueError("how weights leave the trainer is set in sync.transport")
+        return "disk"
+
     # The entropy term is the algorithm's choice, not the machinery's: it is set in
     # `algorithm.entropy_coef` and handed to the trainer at launch.
     entropy_coef: None = Field(  # type: ignore[assignment]
@@ -600,6 +659,11 @@ class RunConfig(BaseModel):
                     f"{' and '.join(given)} name parts started elsewhere (use launcher: local)"
                 )
             _ray_assigns_gpus(self)
+            if self.sync.transport == "collective":
+                raise ValueError(
+                    "sync.transport: collective runs with launcher: local for now (its group "
+                    "meets at the trainer's host, which Ray places); use the disk transport"
+                )
         return self
 
 

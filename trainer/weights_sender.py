@@ -5,8 +5,7 @@ After each step the ranks gather the full state dict (FSDP2, as for a snapshot) 
 keeps it as an image: the bytes of the safetensors file `write_snapshot` would have written
 (trainer/export.py `snapshot_image`, in the layout the replicas asked for). When the coordinator
 asks for a step's weights (protocol.py `SendWeights`), a thread of rank 0 sends that image, so
-the send overlaps the next step's training; the image of the next step replaces it only once a
-send in progress has ended.
+the send overlaps the next step's training (the two newest images are kept: `hold` says why).
 
 The group: rank 0 is this rank, which hosts the group's TCP store at the given address and
 port; the replicas' workers are ranks 1..N (gateway/vllm_ext/collective_load.py). It is formed
@@ -44,6 +43,7 @@ STORE_PREFIX = "lockgate-weights"
 # Bytes per broadcast: bounds the buffers gloo stages for one message.
 CHUNK_BYTES = 64 << 20
 _POLL_S = 0.02
+_KEPT = 2  # images held at most (`WeightsSender.hold` says why two)
 
 
 def wire_head(image_bytes: int, version: int, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
@@ -90,12 +90,12 @@ class _Group:
 
 
 class WeightsSender:
-    """Rank 0's held image and the thread that sends it when asked."""
+    """Rank 0's held images and the thread that sends one when asked."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self._lock = threading.Lock()  # held while an image is sent or replaced
-        self._held: tuple[int, torch.Tensor] | None = None
+        self._lock = threading.Lock()  # guards _held (the main thread adds, the sender takes)
+        self._held: dict[int, torch.Tensor] = {}
         self._group: _Group | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weights-sender", daemon=True)
@@ -108,9 +108,13 @@ class WeightsSender:
         self._thread.join(timeout=5.0)
 
     def hold(self, step: int, image: torch.Tensor) -> None:
-        """Keep step's image for the next request (waits for a send in progress)."""
+        """Keep step's image until it is sent. With syncs overlapping training, step k's sync
+        may be asked for after step k+1 has trained, and the loop waits for sync k before it
+        trains k+2: so the two newest images are kept, and a send drops those it supersedes."""
         with self._lock:
-            self._held = (step, image)
+            self._held[step] = image
+            for old in sorted(self._held)[:-_KEPT]:
+                del self._held[old]
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -146,24 +150,28 @@ class WeightsSender:
     def send(self, request: SendWeights) -> WeightsSent:
         """Send the held image of `request.step` over `request.group` (formed if need be)."""
         with self._lock:
-            if self._held is None or self._held[0] != request.step:
-                held = None if self._held is None else self._held[0]
-                raise RuntimeError(f"asked for step {request.step}'s weights; rank 0 holds {held}")
-            image = self._held[1]
-            started = time.perf_counter()
-            if self._group is None or self._group.spec != request.group:
-                self._group = None
-                self._group = _Group(request.group)
-            joined = time.perf_counter()
-            try:
-                self._group.send(image, request.step)
-            except BaseException:
-                # Receivers may be part way through: this group cannot be trusted again.
-                self._group = None
-                raise
-            return WeightsSent(
-                step=request.step,
-                bytes=len(image),
-                join_s=joined - started,
-                send_s=time.perf_counter() - joined,
-            )
+            image = self._held.get(request.step)
+            if image is None:
+                raise RuntimeError(
+                    f"asked for step {request.step}'s weights; rank 0 holds {sorted(self._held)}"
+                )
+        started = time.perf_counter()
+        if self._group is None or self._group.spec != request.group:
+            self._group = None
+            self._group = _Group(request.group)
+        joined = time.perf_counter()
+        try:
+            self._group.send(image, request.step)
+        except BaseException:
+            # Receivers may be part way through: this group cannot be trusted again.
+            self._group = None
+            raise
+        with self._lock:
+            for old in [step for step in self._held if step <= request.step]:
+                del self._held[old]
+        return WeightsSent(
+            step=request.step,
+            bytes=len(image),
+            join_s=joined - started,
+            send_s=time.perf_counter() - joined,
+        )

@@ -50,6 +50,7 @@ from lockgate.coordinator.launch.placement import (
     placement_lines,
     trainer_gpus,
 )
+from lockgate.coordinator.launch.processes import free_port
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, vllm_is_cpu_build
 from lockgate.coordinator.launch.trainer import TrainerError, TrainerProcess
 from lockgate.coordinator.loop.client_rollouts import enrol_clients
@@ -464,7 +465,7 @@ def _check_and_record(config: RunConfig, resume: bool) -> ExternalGateway | None
     run = RunDir(run_dir)
     # Replicas started elsewhere must read the snapshots this machine's trainer writes.
     elsewhere = external.replica_urls if external is not None else config.replicas.urls
-    if elsewhere and config.launcher != "ray":
+    if elsewhere and config.launcher != "ray" and config.sync.transport == "disk":
         check_replicas_read(run.snapshots, elsewhere)
     run.config.write_text(config.model_dump_json(indent=2))
     return external
@@ -479,8 +480,26 @@ def _trainer_config(config: RunConfig, model_dir: Path, resume: bool) -> Trainer
             "model_dir": model_dir,
             "seed": config.seed,
             "resume": resume or config.trainer.resume,
+            "weights": config.sync.transport,
         }
     )
+
+
+def _with_weights_group(config: RunConfig, placement: Placement) -> RunConfig:
+    """With `sync.transport: collective`, the group's port (a free one on this machine, where
+    the trainer runs, unless given) and backend (nccl only where replicas and trainer both run
+    on cuda: every member must speak it) decided once, before anything uses them."""
+    if config.sync.transport != "collective":
+        return config
+    group = config.sync.collective
+    backend = group.backend
+    if backend == "auto":
+        cuda = placement.replica_device == placement.trainer_device == "cuda"
+        backend = "nccl" if cuda else "gloo"
+    group = group.model_copy(update={"port": group.port or free_port(), "backend": backend})
+    _say(f"weights: collective, {backend} group at {group.address}:{group.port}")
+    sync = config.sync.model_copy(update={"collective": group})
+    return config.model_copy(update={"sync": sync})
 
 
 def _launch_parts(
@@ -577,6 +596,7 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             stack.callback(close_env)
         ray_parts = _ray_parts(config, trainer_config, stack)
         placement = _placement(config, external, model_dir, trainer_config, ray_parts)
+        config = _with_weights_group(config, placement)
         parts = _launch_parts(
             config,
             external,

@@ -19,7 +19,7 @@ from lockgate.coordinator.launch.processes import log_tail, spawn, terminate
 from lockgate.trainer import protocol
 from lockgate.trainer.batch import StepResult, TrainBatch
 from lockgate.trainer.config import TrainerConfig
-from lockgate.trainer.protocol import ExportLayout
+from lockgate.trainer.protocol import ExportLayout, SendWeights, WeightsSent
 
 
 def spawn_ranks(
@@ -190,6 +190,32 @@ class TrainerProcess:
         # The batch is consumed: drop it so a long run does not fill the disk with JSON.
         protocol.batch_path(self.run_dir, batch.step).unlink(missing_ok=True)
         return StepResult.model_validate_json(result.read_text())
+
+    async def send_weights(self, request: SendWeights) -> WeightsSent:
+        """Have rank 0 send step's weights over the collective transport's group; returns when
+        they are sent. Bounded: the trainer's own collectives fail after the group's timeout,
+        so an answer that never comes means a trainer that stopped answering."""
+        step = request.step
+        sent, error = (
+            protocol.sent_path(self.run_dir, step),
+            protocol.send_error_path(self.run_dir, step),
+        )
+        for stale in (sent, error):
+            stale.unlink(missing_ok=True)
+        protocol.write_atomic(
+            protocol.send_request_path(self.run_dir, step), request.model_dump_json()
+        )
+        deadline = time.monotonic() + 3 * request.group.timeout_s + 30
+        while not sent.exists():
+            if error.exists():
+                raise TrainerError(
+                    f"trainer failed to send step {step}'s weights: {error.read_text()}"
+                )
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TrainerError(f"trainer did not send step {step}'s weights in time")
+            await asyncio.sleep(0.02)
+        return WeightsSent.model_validate_json(sent.read_text())
 
     def set_export_layout(self, layout: ExportLayout) -> None:
         """Snapshots from the next export on are written in `layout`."""

@@ -71,9 +71,9 @@ from lockgate.gateway.records.metrics_file import (
     Time,
     count_key,
 )
-from lockgate.gateway.schema import WeightsLayout
+from lockgate.gateway.schema import CollectiveWeights, LoadReport, WeightsLayout
 from lockgate.trainer.batch import StepResult, TrainBatch
-from lockgate.trainer.protocol import ExportLayout
+from lockgate.trainer.protocol import CollectiveGroup, ExportLayout, SendWeights
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class TrainingLoop:
         self._sync_task: asyncio.Task[dict[str, float]] | None = None
         self._val_reported = False
         self._export_layout: ExportLayout | None = None  # what the trainer was last told
+        self._group: CollectiveWeights | None = None  # the collective transport's, once formed
         self._rewards = list(previous_rewards)
         # The task cursor (loop_state.py): serials dispatched and not yet trained or dropped.
         self._pending: set[int] = set()
@@ -445,6 +446,52 @@ class TrainingLoop:
                 log.info("not staged on %s", report.not_staged)
         return time.monotonic() - started
 
+    async def _load(self, weights_dir: str, version: int) -> LoadReport:
+        """Load `version` into every replica (the gateway is paused).
+
+        Disk: the gateway has every replica read the snapshot in `weights_dir`. Collective:
+        the gateway's receive on the replicas and the trainer's send run at the same time, as
+        they must (each member of the group waits for the others); whichever fails first
+        fails the load, the other is cancelled (its own collectives time out after the
+        group's timeout on the trainer and the replicas), so nobody waits out the other."""
+        if self.sync.transport == "disk":
+            return await self.gateway.load_weights(weights_dir, version)
+        source = await self._weights_group()
+        group = CollectiveGroup.model_validate(source.model_dump(exclude={"transport"}))
+        receive = asyncio.ensure_future(self.gateway.load_collective(source, version))
+        send = asyncio.ensure_future(
+            self.trainer.send_weights(SendWeights(step=version, group=group))
+        )
+        done, pending = await asyncio.wait({receive, send}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in (receive, send):  # the gateway's error first: it names the replica
+            error = task.exception() if task in done else None
+            if error is not None:
+                raise error
+        sent = send.result()
+        log.info("sent version %d: %d bytes, %.2fs", version, sent.bytes, sent.send_s)
+        return receive.result()
+
+    async def _weights_group(self) -> CollectiveWeights:
+        """The collective transport's group: one rank for the trainer and one per replica of
+        the gateway (its count asked once: the group is formed once, at the first sync)."""
+        if self._group is None:
+            section = self.sync.collective
+            if section.port == 0 or section.backend == "auto":
+                raise RunFailed("sync.collective's port and backend are chosen at launch")
+            replicas = len((await self.gateway.status()).replicas)
+            self._group = CollectiveWeights(
+                transport="collective",
+                address=section.address,
+                port=section.port,
+                world_size=1 + replicas,
+                backend=section.backend,
+                timeout_s=section.timeout_s,
+            )
+        return self._group
+
     async def _sync(self, weights_dir: str, version: int) -> dict[str, float]:
         """(Stage ->) pause (abort | keep | drain) -> load on every replica and verify -> resume.
 
@@ -460,7 +507,7 @@ class TrainingLoop:
         started = time.monotonic()
         pause = await self.gateway.pause(self.sync.mode, self.sync.pause_timeout_s)
         try:
-            load = await self.gateway.load_weights(weights_dir, version)
+            load = await self._load(weights_dir, version)
         except GatewayClientError as exc:
             await self.gateway.resume(self.version)
             raise SyncFailed(
@@ -468,11 +515,12 @@ class TrainingLoop:
                 f"{self.version}: {exc.message}"
             ) from exc
         except BaseException:
-            # Cancelled (Ctrl-C) mid-load: a replica may hold neither version, and the
-            # gateway's refusal to resume must not replace the stop with a traceback.
+            # Cancelled (Ctrl-C) or the trainer failed mid-load: a replica may hold neither
+            # version, and the gateway's refusal to resume (or its answer coming too late,
+            # still loading) must not replace the reason for the stop with a traceback.
             try:
                 await self.gateway.resume(self.version)
-            except GatewayClientError as exc:
+            except Exception as exc:
                 log.warning("could not resume the gateway at version %d: %s", self.version, exc)
             raise
         if load.failed:

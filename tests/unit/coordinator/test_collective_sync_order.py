@@ -1,0 +1,98 @@
+"""The loop's side of a collective weight sync (coordinator/loop/training.py `_load`): the
+gateway's receive and the trainer's send run at the same time over one group (one rank per
+replica the gateway has), the first failure of either fails the load and cancels the other, and
+a group whose port or backend launch never chose is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lockgate.coordinator.config import LoopSection, SyncSection
+from lockgate.coordinator.errors import RunFailed
+from lockgate.coordinator.loop.training import TrainingLoop
+from lockgate.coordinator.metrics.log import MetricsLog
+from lockgate.gateway.schema import CollectiveWeights, LoadReport
+from lockgate.trainer.protocol import SendWeights, WeightsSent
+
+
+class Status:
+    replicas = ("r1", "r2")
+
+
+class Gateway:
+    def __init__(self, both_started: asyncio.Event) -> None:
+        self.both_started = both_started
+        self.sources: list[CollectiveWeights] = []
+        self.cancelled = False
+
+    async def status(self) -> Status:
+        return Status()
+
+    async def load_collective(self, source: CollectiveWeights, version: int) -> LoadReport:
+        self.sources.append(source)
+        try:
+            # A receive completes only while the trainer sends, as over a real group.
+            await self.both_started.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return LoadReport(version=version, loaded=["r1", "r2"], failed={}, load_s=0.1)
+
+
+class Trainer:
+    def __init__(self, both_started: asyncio.Event, fail: bool = False) -> None:
+        self.both_started = both_started
+        self.requests: list[SendWeights] = []
+        self.fail = fail
+
+    async def send_weights(self, request: SendWeights) -> WeightsSent:
+        self.requests.append(request)
+        if self.fail:
+            raise RunFailed("rank 0: the group broke")
+        self.both_started.set()
+        return WeightsSent(step=request.step, bytes=10, join_s=0.0, send_s=0.1)
+
+
+def _loop(tmp_path: Path, gateway: Gateway, trainer: Trainer, **collective: Any) -> TrainingLoop:
+    sync = SyncSection.model_validate(
+        {"transport": "collective", "collective": {"port": 29555, "backend": "gloo", **collective}}
+    )
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", 1, stream=io.StringIO())
+    env: Any = type("Env", (), {"train_tasks": lambda self: [object()]})()
+    return TrainingLoop(LoopSection(steps=1), env, gateway, trainer, metrics, sync=sync)  # type: ignore[arg-type]
+
+
+async def test_the_receive_and_the_send_run_together_over_one_group(tmp_path: Path) -> None:
+    both = asyncio.Event()
+    gateway, trainer = Gateway(both), Trainer(both)
+    loop = _loop(tmp_path, gateway, trainer)
+    report = await asyncio.wait_for(loop._load("", 4), 5)
+    assert report.loaded == ["r1", "r2"]
+    (source,) = gateway.sources
+    assert (source.world_size, source.port, source.backend) == (3, 29555, "gloo")
+    (request,) = trainer.requests
+    assert request.step == 4
+    assert request.group.model_dump() == source.model_dump(exclude={"transport"})
+    await asyncio.wait_for(loop._load("", 5), 5)
+    assert gateway.sources[1] == source  # the same group at the next sync
+
+
+async def test_a_failed_send_fails_the_load_and_cancels_the_receive(tmp_path: Path) -> None:
+    both = asyncio.Event()
+    gateway, trainer = Gateway(both), Trainer(both, fail=True)
+    loop = _loop(tmp_path, gateway, trainer)
+    with pytest.raises(RunFailed, match="the group broke"):
+        await asyncio.wait_for(loop._load("", 4), 5)
+    assert gateway.cancelled
+
+
+async def test_a_group_launch_did_not_resolve_is_refused(tmp_path: Path) -> None:
+    both = asyncio.Event()
+    loop = _loop(tmp_path, Gateway(both), Trainer(both), port=0)
+    with pytest.raises(RunFailed, match="chosen at launch"):
+        await loop._load("", 1)
