@@ -22,8 +22,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SEED=${SEED:-0}
-DATA=${DATA:-runs/deepresearch/data/seed$SEED}
-RUN=${RUN:-runs/deepresearch/seed$SEED}
+# Absolute, so that every stage's paths hold wherever a command resolves them.
+DATA=$(realpath -m "${DATA:-runs/deepresearch/data/seed$SEED}")
+RUN=$(realpath -m "${RUN:-runs/deepresearch/seed$SEED}")
 eval "prepare_args=(${PREPARE_ARGS:-})"
 eval "drill_args=(${DRILL_ARGS:-})"
 eval "sft_args=(${SFT_ARGS:-})"
@@ -43,19 +44,20 @@ eval "$($PY -m $MOD.prepare --out "$DATA" --transcript-seed "$SEED" "${prepare_a
 
 say "2/5 supervised warm start (lockgate sft: copy drills, then transcripts) -> $RUN/drill, $RUN/sft"
 sft() {  # CONFIG DATA_NAME FROM_MODEL OUT [more lockgate sft arguments]
+  rm -f "$RUN/$4/failed"
   $LG sft "examples/deepresearch/configs/$1" --set "model.path=$3" \
-    --set "data.path=$(pwd)/$DATA/$2_train.jsonl" --set "data.val_path=$(pwd)/$DATA/$2_val.jsonl" \
-    --set "out_dir=$(pwd)/$RUN/$4" --set "trainer.seed=$SEED" "${@:5}"
+    --set "data.path=$DATA/$2_train.jsonl" --set "data.val_path=$DATA/$2_val.jsonl" \
+    --set "out_dir=$RUN/$4" --set "trainer.seed=$SEED" "${@:5}"
 }
 stopped() {  # STAGE LINE: a gate missed or a stage failed; the recipe ends here
   say "$1: $2"
   exit 1
 }
 # A failed `lockgate sft` leaves its one-line reason in OUT/failed (the drills' gate among them).
-why_sft() { paste -sd' ' "$1/failed" 2>/dev/null || echo "failed (log: $1/sft.log)"; }
+why_sft() { paste -sd' ' "$1/failed" 2>/dev/null || echo "lockgate sft failed (its line is above)"; }
 sft drill_cpu.yaml drill "$model" drill "${drill_args[@]}" \
   || stopped "stage 2 (copy drills)" "$(why_sft "$RUN/drill")"
-sft sft_cpu.yaml sft "$(pwd)/$RUN/drill/final" sft "${sft_args[@]}" \
+sft sft_cpu.yaml sft "$RUN/drill/final" sft "${sft_args[@]}" \
   || stopped "stage 2 (SFT)" "$(why_sft "$RUN/sft")"
 say "2/5 SFT gate: the SFT model on validation questions over a world of their own -> $RUN/gate"
 why=$($PY -m $MOD.gate --sft-out "$RUN/sft" --kb-dir "$val_kb" --work "$RUN/gate" \
@@ -66,7 +68,7 @@ say "3/5 held-out evaluation of the SFT model (T=1, greedy, oracle, no search)"
 mkdir -p "$RUN/replicas"
 # As many replicas as the CPU plan gives this machine's cores (2 on 2 cores).
 NREP=$($PY -c "from lockgate.coordinator.cpu_plan import plan_here; print(plan_here().replicas)")
-$LG replicas --set "model.path=$(pwd)/$SFT_MODEL" --set replicas.count="$NREP" \
+$LG replicas --set "model.path=$SFT_MODEL" --set replicas.count="$NREP" \
   --set replicas.max_model_len=2048 --run-dir "$RUN/replicas" >"$RUN/replicas/urls" &
 replicas_pid=$!
 trap 'kill $replicas_pid 2>/dev/null; wait $replicas_pid 2>/dev/null || true' EXIT
@@ -88,7 +90,7 @@ say "4/5 fully-async GRPO (lockgate train) -> $RUN/rl"
 # cores with the trainer, which gets the CPU first (coordinator/launch/cpu_priority.py).
 urls=$(IFS=,; echo "${REPLICAS[*]}")
 $LG train examples/deepresearch/configs/rl_cpu.yaml --run-dir "$RUN/rl" --set "seed=$SEED" \
-  --set "model.path=$(pwd)/$SFT_MODEL" --set "environment.args.kb_dir=$(pwd)/$kb" \
+  --set "model.path=$SFT_MODEL" --set "environment.args.kb_dir=$kb" \
   --set "replicas.urls=[$urls]" --set trainer_first=true "$@"
 
 say "5/5 held-out evaluation of the RL model"
