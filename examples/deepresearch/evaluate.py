@@ -435,23 +435,36 @@ def seed_rows(runs: list[dict[str, Report]]) -> dict[str, list[float]]:
     return rows
 
 
+def _stage_reports(run: Path, suffix: str) -> dict[str, Report]:
+    """A run dir's evaluations by stage: `eval_sft{suffix}.json`, `eval_rl{suffix}.json`."""
+    return {
+        stage: Report.model_validate_json(path.read_text())
+        for stage in ("sft", "rl")
+        if (path := run / f"eval_{stage}{suffix}.json").is_file()
+    }
+
+
 def _table(run_dirs: list[Path]) -> int:
-    """A markdown table over seeds: mean ± standard error of each row's held-out success."""
-    runs = [
-        {
-            stage: Report.model_validate_json(path.read_text())
-            for stage in ("sft", "rl")
-            if (path := run / f"eval_{stage}.json").is_file()
-        }
+    """A markdown table over seeds: mean ± standard error of each row's held-out success, on
+    the recipe's held-out world, then on each knowledge base of another seed evaluated as
+    `eval_{sft,rl}_kb<N>.json` (`run --kb-seed N`)."""
+    found = {
+        p.name[len("eval_sft") : -len(".json")]
         for run in run_dirs
-    ]
+        for p in run.glob("eval_sft_kb*.json")
+    }
+    # By seed: "_kb101" -> 101; a name that is no seed sorts first.
+    kbs = sorted(found, key=lambda suffix: int(suffix[3:]) if suffix[3:].isdigit() else -1)
     print("| policy | held-out success (mean ± s.e. over seeds) | seeds |\n|---|---|---|")
-    for label, values in seed_rows(runs).items():
-        n = len(values)
-        mean = sum(values) / n
-        se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else math.nan
-        sign = "+" if label.startswith("gain") else ""
-        print(f"| {label} | {mean:{sign}.3f} ± {se:.3f} | {n} |")
+    for suffix in ["", *kbs]:
+        where = f"KB seed {suffix.removeprefix('_kb')}: " if suffix else ""
+        rows = seed_rows([_stage_reports(run, suffix) for run in run_dirs])
+        for label, values in rows.items():
+            n = len(values)
+            mean = sum(values) / n
+            var = sum((v - mean) ** 2 for v in values) / (n - 1) / n if n > 1 else math.nan
+            sign = "+" if label.startswith("gain") else ""
+            print(f"| {where}{label} | {mean:{sign}.3f} ± {math.sqrt(var):.3f} | {n} |")
     return 0
 
 

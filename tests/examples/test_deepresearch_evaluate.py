@@ -10,6 +10,7 @@ import pytest
 from lockgate.examples.deepresearch.evaluate import (
     Outcome,
     Report,
+    main,
     merge_reports,
     seed_rows,
     summarize,
@@ -102,3 +103,20 @@ def test_merging_pools_the_episodes_of_each_policy_and_recomputes_its_summary() 
 def test_evaluations_of_different_models_are_not_merged() -> None:
     with pytest.raises(ValueError, match="different runs"):
         merge_reports([_episodes("m1", model_T_1=[]), _episodes("m2", model_T_1=[])])
+
+
+def test_the_table_adds_rows_for_each_knowledge_base_of_another_seed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for seed, (start, end) in enumerate([(0.2, 0.3), (0.4, 0.4)]):
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        for name, value in (("sft", start), ("rl", end)):
+            (run / f"eval_{name}.json").write_text(_report(model_T_1=value).model_dump_json())
+            fresh = _report(model_T_1=value / 2).model_dump_json()
+            (run / f"eval_{name}_kb101.json").write_text(fresh)
+    assert main(["table", str(tmp_path / "seed0"), str(tmp_path / "seed1")]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert "| gain RL - SFT, model T 1 | +0.050 ± 0.050 | 2 |" in rows
+    assert "| KB seed 101: SFT model T 1 | 0.150 ± 0.050 | 2 |" in rows
+    assert "| KB seed 101: gain RL - SFT, model T 1 | +0.025 ± 0.025 | 2 |" in rows
