@@ -70,7 +70,8 @@ def test_clients_of_different_sessions_share_a_pool_that_closing_one_keeps_open(
                 ("b", "Bearer key-b"),
             ]
             assert seen[0][2] == seen[1][2]
-            assert len(_pools) == 1
+            # This loop's one pool is still open (other tests' loops may not be collected yet).
+            assert asyncio.get_running_loop() in _pools
         finally:
             await close_shared_transport()
             await runner.cleanup()
