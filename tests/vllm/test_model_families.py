@@ -125,11 +125,12 @@ def _assert_recorded_exactly(served: Served, session_id: str, turns: int, bridge
             assert sampled == call["logprobs"]
 
 
-# Formats that extend the previous call's tokens across a new user message too. Qwen3 and
-# DeepSeek-R1 drop earlier turns' reasoning at a new user message (their templates do), so that
-# turn is a full, counted render; within a tool cycle they bridge (the forced-call test below
-# and tests/unit/gateway/test_chat_format.py). The generic template never bridges.
-BRIDGES_USER_TURNS = {"llama-3"}
+# Formats that extend the previous call's tokens across a new user message too (their templates
+# keep every earlier turn as it was). Qwen3 and DeepSeek-R1 drop earlier turns' reasoning at a
+# new user message (their templates do), so that turn is a full, counted render; within a tool
+# cycle they bridge (the forced-call test below and tests/unit/gateway/test_chat_format.py). The
+# generic template never bridges.
+BRIDGES_USER_TURNS = {"llama-3", "kimi-k2"}
 
 
 def test_a_multi_turn_conversation_is_recorded_token_exactly(served: Served) -> None:

@@ -311,6 +311,62 @@ GEMMA3_CHAT_TEMPLATE: Final = r"""{{ bos_token }}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
 
 
+# --- Kimi-K2 (role tokens with <|im_middle|>, tools declared in a system turn of their own) ---
+
+_KIMI_K2_TOKENS: Final = (
+    ("[BOS]", True),
+    ("[EOS]", True),
+    ("[PAD]", True),
+    ("<|im_end|>", True),
+    ("<|im_user|>", True),
+    ("<|im_assistant|>", True),
+    ("<|im_system|>", True),
+    ("<|im_middle|>", True),
+    ("<|tool_calls_section_begin|>", True),
+    ("<|tool_calls_section_end|>", True),
+    ("<|tool_call_begin|>", True),
+    ("<|tool_call_argument_begin|>", True),
+    ("<|tool_call_end|>", True),
+)
+
+# Kimi-K2-Instruct's template as `renderers`' kimi_k2 module spells it: the tools as compact JSON
+# with sorted keys in a `tool_declare` turn, a default system turn (and only after that one a
+# newline) when the chat has none, a call's id written as given (`functions.NAME:INDEX`, where
+# the parser reads the tool's name), and a tool's result headed by the id it answers.
+KIMI_K2_CHAT_TEMPLATE: Final = r"""{%- if tools -%}
+    {{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson(separators=(',', ':'), sort_keys=True)) + '<|im_end|>' -}}
+{%- endif -%}
+{%- if not messages or messages[0]['role'] != 'system' -%}
+    {{- '<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
+' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- set content = message['content'] if message['content'] is string else '' -%}
+    {%- if message['role'] == 'system' -%}
+        {{- '<|im_system|>system<|im_middle|>' + content + '<|im_end|>' -}}
+    {%- elif message['role'] == 'user' -%}
+        {{- '<|im_user|>user<|im_middle|>' + content + '<|im_end|>' -}}
+    {%- elif message['role'] == 'assistant' -%}
+        {{- '<|im_assistant|>assistant<|im_middle|>' + content -}}
+        {%- if message['tool_calls'] -%}
+            {{- '<|tool_calls_section_begin|>' -}}
+            {%- for call in message['tool_calls'] -%}
+                {%- set arguments = call['function']['arguments'] -%}
+                {{- '<|tool_call_begin|>' + (call['id'] or '') + '<|tool_call_argument_begin|>' -}}
+                {{- arguments if arguments is string else (arguments | tojson) -}}
+                {{- '<|tool_call_end|>' -}}
+            {%- endfor -%}
+            {{- '<|tool_calls_section_end|>' -}}
+        {%- endif -%}
+        {{- '<|im_end|>' -}}
+    {%- elif message['role'] == 'tool' -%}
+        {{- '<|im_system|>' + (message['name'] or 'tool') + '<|im_middle|>## Return of ' + (message['tool_call_id'] or '') + '
+' + content + '<|im_end|>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}{%- endif -%}"""
+
+
 # --- The generic path: a ChatML template with Hermes tool calls and no renderer of its own ---
 
 # Qwen2.5-Instruct's shape: tools in the system turn, <tool_call> JSON, no <think>. No
@@ -390,6 +446,17 @@ FAMILIES: Final[dict[str, ChatFamily]] = {
         chat_template=GLM45_CHAT_TEMPLATE,
         note="GLM-4.5 (<arg_key>/<arg_value> tool calls, <think>): LlamaForCausalLM in "
         "place of its MoE Glm4MoeForCausalLM",
+    ),
+    "kimi-k2": ChatFamily(
+        format="kimi-k2",
+        architecture="llama",
+        added_tokens=_KIMI_K2_TOKENS,
+        eos="<|im_end|>",
+        pad="[PAD]",
+        bos=None,
+        chat_template=KIMI_K2_CHAT_TEMPLATE,
+        note="Kimi-K2 (<|im_middle|> role turns, sectioned tool calls): LlamaForCausalLM in "
+        "place of its MoE DeepseekV3ForCausalLM",
     ),
     "gemma3": ChatFamily(
         format="default",

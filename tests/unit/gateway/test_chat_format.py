@@ -158,6 +158,10 @@ CALL_TEXT = {
     + _DS["end of sentence"],
     "glm-4.5": "\n<think></think>\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>"
     "\n<arg_key>b</arg_key>\n<arg_value>3</arg_value>\n</tool_call><|observation|>",
+    # Kimi-K2 names the tool in the call's id, functions.NAME:INDEX.
+    "kimi-k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+    '<|tool_call_argument_begin|>{"a": 2, "b": 3}<|tool_call_end|><|tool_calls_section_end|>'
+    "<|im_end|>",
     "default": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
 }
 ADD_TOOL = [

@@ -18,6 +18,7 @@ from lockgate.trainer.tiny_models.families import FAMILIES
 from tests.integration.test_sft import SEARCH
 
 CALL = {"query": "France capital"}
+ID = "functions.search:0"  # Kimi-K2 writes the call's id and reads the tool's name from it
 # Two assistant turns: a reasoned tool call, then, after its result, a reasoned answer.
 CHAT: list[dict[str, Any]] = [
     {"role": "system", "content": "Be brief."},
@@ -27,18 +28,18 @@ CHAT: list[dict[str, Any]] = [
         "content": "",
         "reasoning_content": "search first",
         "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "search", "arguments": CALL}}
+            {"id": ID, "type": "function", "function": {"name": "search", "arguments": CALL}}
         ],
     },
-    {"role": "tool", "tool_call_id": "c1", "content": "Paris is the capital."},
+    {"role": "tool", "tool_call_id": ID, "content": "Paris is the capital."},
     {"role": "assistant", "content": "Paris.", "reasoning_content": "found it"},
 ]
 
 # What each format's assistant writes in the two turns, spelled from the format's syntax.
 # DeepSeek-R1's template keeps no reasoning in a rendered conversation (it splits every
 # assistant turn at </think>); GLM-4.5 closes the call's turn with the observation marker and
-# leaves the last answer unclosed, so its stop token is added; Llama 3 and the generic
-# Qwen2.5-style template have no reasoning.
+# leaves the last answer unclosed, so its stop token is added; Llama 3, Kimi-K2 (whose template
+# reads no reasoning_content) and the generic Qwen2.5-style template have no reasoning.
 QWEN_CALL = (
     '<tool_call>\n{"name": "search", "arguments": {"query": "France capital"}}\n</tool_call>'
 )
@@ -62,6 +63,12 @@ TURNS = {
         "<think>search first</think>\n<tool_call>search\n<arg_key>query</arg_key>\n"
         "<arg_value>France capital</arg_value>\n</tool_call><|observation|>",
         "<think>found it</think>\nParis.<|endoftext|>",
+    ],
+    "kimi-k2": [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0"
+        '<|tool_call_argument_begin|>{"query": "France capital"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>",
+        "Paris.<|im_end|>",
     ],
     "default": [f"{QWEN_CALL}<|im_end|>", "Paris.<|im_end|>"],
 }

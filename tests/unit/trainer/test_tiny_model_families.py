@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "llama-3": "LlamaForCausalLM",
     "deepseek-r1": "Qwen2ForCausalLM",
     "glm-4.5": "LlamaForCausalLM",
+    "kimi-k2": "LlamaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "default": "Qwen2ForCausalLM",
 }
