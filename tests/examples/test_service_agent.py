@@ -218,6 +218,8 @@ def test_training_through_the_node_service_survives_its_death_and_restart(
     failure_lines = [line for line in log.splitlines() if "service rollout of task" in line]
     # (A rollout failing as the run ends is logged but may miss the last record.)
     assert failed > 0 and len(failure_lines) >= failed
+    # And shown where the operator looks: the status line of the step that counted them last.
+    assert f"| failed rollouts {failed}" in log
     assert all("failed: Service" in line for line in failure_lines)
     assert not any("no gateway to check" in line for line in failure_lines)
     # The service answered rollouts before it died and after its restart, in this one run.
