@@ -333,14 +333,18 @@ def test_bad_input_is_a_one_line_error_with_exit_2(
     assert len(lines) == 1 and lines[0].startswith("lockgate: ") and needle in lines[0], lines
 
 
-def test_a_chat_the_template_re_renders_stops_the_cli_with_its_line(tmp_path: Path) -> None:
+def test_a_chat_the_template_re_renders_trains_through_the_formats_renderer(
+    tmp_path: Path,
+) -> None:
+    # Qwen3's template re-renders history, which once made such a chat a one-line refusal;
+    # the format's renderer now masks it (its tokens are checked one by one in
+    # tests/unit/trainer/test_sft_formats.py), so the CLI trains it to the end.
     config = _config(tmp_path)
     _write_jsonl(tmp_path / "chats.jsonl", [*CHATS, REPLAYED])
     result = _lockgate_sft(config)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "chats.jsonl line 7: message 1 (assistant)" in lines[0], lines
-    assert not (tmp_path / "out" / "config.json").exists()  # nothing was started
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sft done" in result.stderr
+    assert (tmp_path / "out" / "final" / "config.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
