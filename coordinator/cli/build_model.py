@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         )
     # torch is slow to import: only when a model is built.
     from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
+    from lockgate.trainer.tiny_models.harmony_vocab import MissingVocabulary
 
-    print(ensure_tiny_model(spec=family_spec(args.format)))
+    try:
+        print(ensure_tiny_model(spec=family_spec(args.format)))
+    except MissingVocabulary as exc:  # gpt-oss's vocabulary comes from setup, never a download
+        raise UsageError(f"--format {args.format}: {exc}") from exc
     return 0

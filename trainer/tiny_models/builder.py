@@ -421,7 +421,14 @@ def build_tiny_model(
     seed = spec.seed
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_len, ids = _build_tokenizer(out_dir, seed, spec.vocab_target, spec.extra_corpus, chat)
+    if chat.format == "gpt-oss":  # harmony renders with OpenAI's vocabulary, not a trained one
+        from lockgate.trainer.tiny_models.gpt_oss import build_gpt_oss_tokenizer
+
+        tokenizer_len, ids = build_gpt_oss_tokenizer(out_dir, chat.chat_template)
+    else:
+        tokenizer_len, ids = _build_tokenizer(
+            out_dir, seed, spec.vocab_target, spec.extra_corpus, chat
+        )
     vocab_size = -(-tokenizer_len // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
     bos, eos, pad = ids[chat.bos or chat.pad], ids[chat.eos], ids[chat.pad]
     config = _model_config(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from lockgate.trainer.tiny_models.gpt_oss import GPT_OSS_CHAT_TEMPLATE, GPT_OSS_TOKENS
 from lockgate.trainer.tiny_models.qwen3_template import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
 
 Architecture = Literal["qwen3", "qwen2", "llama", "gemma3"]
@@ -457,6 +458,17 @@ FAMILIES: Final[dict[str, ChatFamily]] = {
         chat_template=KIMI_K2_CHAT_TEMPLATE,
         note="Kimi-K2 (<|im_middle|> role turns, sectioned tool calls): LlamaForCausalLM in "
         "place of its MoE DeepseekV3ForCausalLM",
+    ),
+    "gpt-oss": ChatFamily(
+        format="gpt-oss",
+        architecture="llama",
+        added_tokens=GPT_OSS_TOKENS,
+        eos="<|return|>",
+        pad="<|endoftext|>",
+        bos="<|startoftext|>",
+        chat_template=GPT_OSS_CHAT_TEMPLATE,
+        note="gpt-oss (harmony channels, o200k vocabulary; needs scripts/setup.sh's vocabulary): "
+        "LlamaForCausalLM in place of its MoE GptOssForCausalLM",
     ),
     "gemma3": ChatFamily(
         format="default",

@@ -19,8 +19,6 @@ import sys
 from pathlib import Path
 from typing import Final
 
-from lockgate.trainer.tiny_models.builder import default_cache_dir
-
 O200K_FILE: Final = "o200k_base.tiktoken"
 O200K_SHA256: Final = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 ENCODINGS_ENV: Final = "TIKTOKEN_ENCODINGS_BASE"
@@ -33,6 +31,8 @@ class MissingVocabulary(RuntimeError):
 
 
 def o200k_dir(cache_root: Path | None = None) -> Path:
+    from lockgate.trainer.tiny_models.builder import default_cache_dir  # builder imports this
+
     return (cache_root if cache_root is not None else default_cache_dir()) / "tiktoken"
 
 

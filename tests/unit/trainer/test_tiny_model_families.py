@@ -18,6 +18,7 @@ from lockgate.trainer.tiny_models.builder import (
     family_spec,
 )
 from lockgate.trainer.tiny_models.families import FAMILIES
+from lockgate.trainer.tiny_models.harmony_vocab import require_o200k
 from tests.unit.trainer.test_tiny_model import OPENAI_TOOLS, PLAIN, TOOL_CONVERSATION
 
 # Up to the second user message: one call per assistant turn, as Llama 3's template allows.
@@ -29,6 +30,7 @@ ARCHITECTURES = {
     "deepseek-r1": "Qwen2ForCausalLM",
     "glm-4.5": "LlamaForCausalLM",
     "kimi-k2": "LlamaForCausalLM",
+    "gpt-oss": "LlamaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "default": "Qwen2ForCausalLM",
 }
@@ -36,6 +38,8 @@ ARCHITECTURES = {
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_dir(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    if request.param == "gpt-oss":
+        require_o200k()  # harmony's vocabulary, which a cached model does not point to by itself
     return request.param, ensure_tiny_model(spec=family_spec(request.param))
 
 
