@@ -48,9 +48,25 @@ def chat_format_of(config: RunConfig, model_dir: Path) -> str:
     """The run's chat format (model.chat_format, `auto` detected from `model_dir`): the one
     decision every part that renders uses; one that cannot be made is a `ConfigError`."""
     try:
-        return resolve_chat_format(config.model.chat_format, model_dir)
+        chat_format = resolve_chat_format(config.model.chat_format, model_dir)
     except ChatFormatError as exc:
         raise ConfigError(f"model.chat_format: {exc}") from None
+    harmony_vocabulary_for(chat_format)
+    return chat_format
+
+
+def harmony_vocabulary_for(chat_format: str) -> None:
+    """gpt-oss renders through openai-harmony, which would download its vocabulary on first use:
+    point it (in this process and those it starts) at the copy scripts/setup.sh made, and make a
+    missing one a `ConfigError` that names the setup step."""
+    if chat_format != "gpt-oss":
+        return
+    from lockgate.trainer.tiny_models.harmony_vocab import MissingVocabulary, require_o200k
+
+    try:
+        require_o200k()
+    except MissingVocabulary as exc:
+        raise ConfigError(f"model.chat_format {chat_format}: {exc}") from None
 
 
 def gateway_config_of(

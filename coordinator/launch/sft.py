@@ -24,6 +24,7 @@ from lockgate.coordinator.errors import (
     UsageError,
     config_loading,
 )
+from lockgate.coordinator.launch.parts import harmony_vocabulary_for
 from lockgate.coordinator.launch.replicas import usable_cpus
 from lockgate.gateway.calls.chat_format import ChatFormatError, resolve_chat_format
 from lockgate.trainer.protocol import write_atomic
@@ -67,6 +68,7 @@ def load_sft_config(path: Path, overrides: list[str], out: Path | None) -> SFTCo
         )
     except ChatFormatError as exc:
         raise ConfigError(f"model.chat_format: {exc}") from None
+    harmony_vocabulary_for(resolved.model.chat_format)
     if out is not None:
         resolved.out_dir = out.resolve()
     return resolved
