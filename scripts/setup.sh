@@ -25,9 +25,29 @@ if [[ ",$EXTRAS," == *",dev,"* && ! -x /usr/bin/chromium ]]; then
     echo "[setup] (as root on Debian: apt-get install -y chromium)" >&2
   fi
 fi
+# gpt-oss's harmony format renders with OpenAI's o200k_base vocabulary, which openai-harmony would
+# download at run time; lockgate never does. The js-tiktoken npm package ships its ranks: setup
+# rebuilds the file from them once into the lockgate cache (checked byte-exact by its sha256),
+# also when the venv is already up to date. Without npm the gpt-oss format and its tiny model say
+# so when used; nothing else needs it.
+fetch_o200k() {
+  local vocab="${LOCKGATE_CACHE:-$HOME/.cache/lockgate}/tiktoken/o200k_base.tiktoken" npm_tmp
+  [ -f "$vocab" ] && return 0
+  if ! command -v npm >/dev/null; then
+    echo "[setup] no npm: the gpt-oss format and its tiny model will be unavailable" >&2
+    return 0
+  fi
+  echo "[setup] fetching the o200k_base vocabulary for gpt-oss (npm package js-tiktoken)" >&2
+  npm_tmp=$(mktemp -d)
+  (cd "$npm_tmp" && npm pack -q js-tiktoken@1.0.21 >/dev/null && tar xzf js-tiktoken-1.0.21.tgz)
+  .venv/bin/python -m lockgate.trainer.tiny_models.harmony_vocab \
+    --from-js-tiktoken "$npm_tmp/package/dist/ranks/o200k_base.js" >/dev/null
+  rm -rf "$npm_tmp"
+}
 stamp=.venv/.lockgate-installed
 want=$( (cat pyproject.toml scripts/setup.sh scripts/torch_source.py; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  fetch_o200k
   exit 0
 fi
 echo "[setup] creating .venv and installing lockgate[$EXTRAS] (first time: about 3 minutes)" >&2
@@ -45,21 +65,5 @@ if [[ ",$EXTRAS," == *",cpu,"* ]]; then
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 .venv/bin/python -c "import torch, vllm, transformers, renderers; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__)" >&2
-# gpt-oss's harmony format renders with OpenAI's o200k_base vocabulary, which openai-harmony would
-# download at run time; lockgate never does. The js-tiktoken npm package ships its ranks: setup
-# rebuilds the file from them once into the lockgate cache (checked byte-exact by its sha256).
-# Without npm the gpt-oss tiny model and format say so when used; nothing else needs it.
-vocab_cache="${LOCKGATE_CACHE:-$HOME/.cache/lockgate}/tiktoken/o200k_base.tiktoken"
-if [ ! -f "$vocab_cache" ]; then
-  if command -v npm >/dev/null; then
-    echo "[setup] fetching the o200k_base vocabulary for gpt-oss (npm package js-tiktoken)" >&2
-    npm_tmp=$(mktemp -d)
-    (cd "$npm_tmp" && npm pack -q js-tiktoken@1.0.21 >/dev/null && tar xzf js-tiktoken-1.0.21.tgz)
-    .venv/bin/python -m lockgate.trainer.tiny_models.harmony_vocab \
-      --from-js-tiktoken "$npm_tmp/package/dist/ranks/o200k_base.js" >/dev/null
-    rm -rf "$npm_tmp"
-  else
-    echo "[setup] no npm: the gpt-oss format and its tiny model will be unavailable" >&2
-  fi
-fi
+fetch_o200k
 echo "$want" > "$stamp"
