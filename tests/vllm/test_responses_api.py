@@ -104,7 +104,9 @@ def _text_in(tok: Any, completion_ids: list[int], stops: list[str]) -> str:
     """The answer's text the recorded tokens spell: after the thinking, before the end of the
     turn and the first stop string."""
     text = tok.decode(completion_ids, skip_special_tokens=False)
-    if "<think>" in text and "</think>" not in text:
+    # A turn still thinking has no answer; a <think> a random model samples later in its
+    # answer is text, as the format's parser reads it.
+    if text.lstrip().startswith("<think>") and "</think>" not in text:
         return ""  # a stop string or the budget ended it while thinking
     text = text.split("</think>", 1)[-1]
     for stop in ("<|im_end|>", "<|endoftext|>", *stops):  # the model's stop tokens, then strings
