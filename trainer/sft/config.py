@@ -19,7 +19,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from lockgate.trainer.config import ComputeDtype, Device, LrSchedule, Packing, TrainerConfig
+from lockgate.trainer.config import (
+    ComputeDtype,
+    Device,
+    LoraSpec,
+    LrSchedule,
+    Packing,
+    TrainerConfig,
+)
 
 BatchUnit = Literal["conversations", "tokens"]
 Overlong = Literal["truncate", "drop"]
@@ -51,6 +58,12 @@ class SFTModelSection(BaseModel):
         "model's files). `lockgate sft` resolves it before tokenizing, so a model whose format "
         "cannot be placed is refused. The data is rendered and masked by the format's renderer; "
         "the generic format (default) by the model's own chat template.",
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Train low-rank adapters only, the base weights frozen. final/ then holds "
+        "the merged model (an HF model dir, as without lora) and final_adapter/ the adapter "
+        "in the format vLLM and peft load. None: full fine-tuning.",
     )
 
 
