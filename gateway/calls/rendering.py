@@ -142,21 +142,20 @@ class ChatRenderer:
         previous: PreviousTurn | None,
     ) -> RenderedPrompt:
         spec = _tool_specs(tools)
+        converted = _renderer_messages(messages)
         if previous is not None:
-            new_messages = _continuation(messages, tools, previous)
-            if new_messages is not None:
+            start = _continuation(messages, tools, previous)
+            if start is not None:
                 bridged = self._renderer.bridge_to_next_turn(
                     previous.prompt_ids.tolist(),
                     previous.completion_ids.tolist(),
-                    [_to_renderer_message(m) for m in new_messages],
+                    converted[start:],
                     tools=spec,
                 )
                 if bridged is not None:
                     return RenderedPrompt(token_array(bridged.token_ids), extends_previous=True)
         try:
-            ids = self._renderer.render_ids(
-                [_to_renderer_message(m) for m in messages], tools=spec, add_generation_prompt=True
-            )
+            ids = self._renderer.render_ids(converted, tools=spec, add_generation_prompt=True)
         except ValueError as exc:
             # What the format cannot write (Llama 3: one tool call per assistant turn) is the
             # agent's request to change, not a fault of the gateway.
@@ -207,8 +206,9 @@ class ChatRenderer:
 
 def _continuation(
     messages: list[ChatMessage], tools: list[ToolSpec] | None, previous: PreviousTurn
-) -> list[ChatMessage] | None:
-    """The messages after the previous call's reply, or None if this is not its continuation."""
+) -> int | None:
+    """Where the messages after the previous call's reply start, or None if this is not its
+    continuation."""
     if previous.messages is None:
         return None
     dumped_tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
@@ -219,7 +219,7 @@ def _continuation(
         return None
     if [m.model_dump(exclude_none=True) for m in messages[:n]] != previous.messages:
         return None
-    return messages[n + 1 :]
+    return n + 1
 
 
 def _tool_specs(tools: list[ToolSpec] | None) -> list[renderers.ToolSpec] | None:
@@ -234,7 +234,24 @@ def _tool_specs(tools: list[ToolSpec] | None) -> list[renderers.ToolSpec] | None
     return [t.model_dump(exclude_none=True) for t in tools]  # type: ignore[misc]
 
 
-def _to_renderer_message(message: ChatMessage) -> renderers.Message:
+def _renderer_messages(messages: list[ChatMessage]) -> list[renderers.Message]:
+    """The messages as `renderers` takes them, each tool result named after the function of the
+    call it answers when the client left `name` out (OpenAI clients do): formats that head a
+    result with its tool's name (gpt-oss's `functions.<name>`, Kimi-K2's) read it from `name`
+    and would otherwise write an unknown author, and `renderers` leaves filling it to us."""
+    called: dict[str, str] = {}
+    out = []
+    for message in messages:
+        for call in message.tool_calls or []:
+            called[call.id] = call.function.name
+        name = message.name
+        if message.role == "tool" and name is None and message.tool_call_id is not None:
+            name = called.get(message.tool_call_id)
+        out.append(_to_renderer_message(message, name))
+    return out
+
+
+def _to_renderer_message(message: ChatMessage, tool_name: str | None) -> renderers.Message:
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": message.text()}
     if message.tool_calls:
@@ -251,8 +268,8 @@ def _to_renderer_message(message: ChatMessage) -> renderers.Message:
         ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    if message.name is not None and message.role == "tool":
-        out["name"] = message.name
+    if tool_name is not None and message.role == "tool":
+        out["name"] = tool_name
     if message.reasoning_content:
         out["reasoning_content"] = message.reasoning_content
     return out  # type: ignore[return-value]

@@ -246,3 +246,31 @@ def test_messages_a_format_cannot_write_are_a_400_naming_it() -> None:
         renderer.render_prompt(messages, None, None)
     assert caught.value.status_code == 400
     assert "'llama-3' chat format cannot render these messages" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "kimi-k2"])
+def test_a_tool_result_without_a_name_is_authored_by_its_calls_function(name: str) -> None:
+    """OpenAI clients send a tool result with its call's id and no `name`; gpt-oss heads a
+    result `functions.<name>` and Kimi-K2 with the name too, so the gateway fills it in."""
+    from lockgate.gateway.schema import ChatMessage
+    from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
+
+    if name == "gpt-oss":
+        from lockgate.trainer.tiny_models.harmony_vocab import require_o200k
+
+        require_o200k()
+    renderer = ChatRenderer(ensure_tiny_model(spec=family_spec(name)), name)
+    call = {"id": "call_7", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    messages = [
+        ChatMessage.model_validate(m)
+        for m in (
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_7", "content": "5"},
+        )
+    ]
+    text = renderer.tokenizer.decode(renderer.render_prompt(messages, None, None).prompt_ids)
+    named = [*messages[:2], messages[2].model_copy(update={"name": "add"})]
+    same = renderer.tokenizer.decode(renderer.render_prompt(named, None, None).prompt_ids)
+    assert text == same
+    assert "unknown" not in text and "add" in text.split("What is 2 + 3?")[1]
