@@ -20,10 +20,20 @@ from lockgate.coordinator.cpu_plan import plan_here
 from lockgate.gateway.config import ADMIN_TOKEN_ENV, RequestLimits, SamplingPolicy
 from lockgate.gateway.records.advantages import AdvantageSpec
 from lockgate.gateway.schema import PauseMode
-from lockgate.trainer.config import TrainerConfig
+from lockgate.trainer.config import LoraSpec, TrainerConfig
 
 # `LOCKGATE_<SECTION>__<FIELD>` (nesting by `__`) sets `section.field`, between the file and --set.
 ENV_PREFIX = "LOCKGATE_"
+# The --max-lora-rank values vLLM 0.32 accepts (its LoRAConfig refuses any other).
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that serves adapters of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"rank {rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
 
 
 def service_url(url: str) -> str:
@@ -46,6 +56,20 @@ class ModelSection(BaseModel):
         "deepseek-r1, glm-4.5, gemma4, default, ...). auto: detected from the model's files "
         "(gateway/calls/chat_format.py; docs/models.md); an undetectable model is an error.",
     )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Train low-rank adapters on the model instead of all its weights: the "
+        "trainer publishes each step's adapter, the replicas serve the base model with LoRA on "
+        "and load each new adapter at runtime, so several runs can share one fleet "
+        "(docs/lora.md). null: full fine-tuning.",
+    )
+
+    @field_validator("lora")
+    @classmethod
+    def _rank_vllm_serves(cls, lora: LoraSpec | None) -> LoraSpec | None:
+        if lora is not None:
+            vllm_lora_rank(lora.rank)
+        return lora
 
 
 class ReplicasSection(BaseModel):
@@ -119,6 +143,13 @@ class ReplicasSection(BaseModel):
         ge=0,
         description="GPU memory a trainer rank sharing a GPU needs beyond its sharded weights, "
         "gradients and Adam states (activations, CUDA context, NCCL buffers).",
+    )
+    max_loras: int = Field(
+        default=4,
+        ge=1,
+        description="With model.lora: adapters a replica started here holds at once (vLLM's "
+        "--max-loras). A sync holds a run's old and new adapter until the old one's calls end, "
+        "so give two per run that shares the fleet.",
     )
 
     @model_validator(mode="before")
@@ -330,6 +361,18 @@ class TrainerSection(TrainerConfig):
     def _entropy_is_the_algorithms(cls, value: object) -> None:
         if value is not None:
             raise ValueError("the entropy term is set in algorithm.entropy_coef")
+        return None
+
+    # Adapters concern the replicas and the gateway as much as the trainer: one option for all.
+    lora: None = Field(  # type: ignore[assignment]
+        default=None, exclude=True, description="Set model.lora instead."
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_is_the_models(cls, value: object) -> None:
+        if value is not None:
+            raise ValueError("adapters are set in model.lora")
         return None
 
 
@@ -639,6 +682,22 @@ class RunConfig(BaseModel):
             raise ValueError(
                 "algorithm.screen_size screens the loop's own dispatch; with loop.rollouts: "
                 "client the clients start every rollout (set screen_size: 0)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_go_by_disk(self) -> RunConfig:
+        if self.model.lora is None:
+            return self
+        if self.sync.transport == "collective":
+            raise ValueError(
+                "model.lora with sync.transport: collective is not built (a LoRA step publishes "
+                "its adapter as files the replicas load); use sync.transport: disk"
+            )
+        if self.sync.stage:
+            raise ValueError(
+                "sync.stage prepares the load of a full snapshot; with model.lora a sync loads "
+                "a small adapter and has nothing to stage (set stage: false)"
             )
         return self
 

@@ -481,6 +481,7 @@ def _trainer_config(config: RunConfig, model_dir: Path, resume: bool) -> Trainer
             "seed": config.seed,
             "resume": resume or config.trainer.resume,
             "weights": config.sync.transport,
+            "lora": config.model.lora,
         }
     )
 

@@ -6,12 +6,14 @@ Shared by `lockgate train` (launch.py) and the commands that run one part each
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lockgate.coordinator.config import GatewaySection, RunConfig
+from lockgate.coordinator.config import GatewaySection, RunConfig, vllm_lora_rank
 from lockgate.coordinator.errors import ConfigError
 from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
@@ -33,6 +35,16 @@ def replica_dtype(asked: str, device: str) -> str:
 
 def run_dir_of(config: RunConfig) -> Path:
     return (config.run_dir or Path("runs") / config.name).resolve()
+
+
+def adapter_name(run_dir: Path) -> str:
+    """The name a run's adapters carry on the replicas: its run dir's name, for whoever reads
+    the replicas' model list, and a short hash of the dir's absolute path, so that two runs on
+    one fleet never share a name even when their dirs are named alike."""
+    resolved = run_dir.resolve()
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-") or "run"
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    return f"{readable[:40]}-{digest}"
 
 
 def admin_token_of(section: GatewaySection) -> str | None:
@@ -117,4 +129,6 @@ def replica_launch_config_of(
         max_model_len=section.max_model_len,
         startup_timeout_s=section.startup_timeout_s,
         log_dir=log_dir,
+        max_lora_rank=None if config.model.lora is None else vllm_lora_rank(config.model.lora.rank),
+        max_loras=section.max_loras,
     )

@@ -27,6 +27,7 @@ from typing import Literal, Self
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lockgate.coordinator.config import VLLM_LORA_RANKS
 from lockgate.coordinator.cpu_plan import plan_cpus, usable_cpus
 from lockgate.coordinator.errors import RunFailed
 from lockgate.coordinator.launch.processes import client_host, free_port, log_tail, spawn, terminate
@@ -39,6 +40,8 @@ _POLL_S = 0.5
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 _STOP_GRACE_S = 15.0
 _GROUP_EXIT_S = 5.0
+# vLLM refuses runtime adapter loads and unloads without it.
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 class ReplicaStartError(RunFailed):
@@ -89,6 +92,10 @@ class ReplicaLaunchConfig(BaseModel):
     # vLLM's advice to preload tcmalloc on CPU is about). The replica's footprint stays at
     # its peak instead of shrinking between loads.
     keep_freed_memory: bool = True
+    # Serve the base model with LoRA on, adapters up to this rank loaded at runtime (one of
+    # VLLM_LORA_RANKS); None: no LoRA.
+    max_lora_rank: int | None = None
+    max_loras: int = Field(default=4, ge=1)
 
     @model_validator(mode="after")
     def _enough_binds(self) -> Self:
@@ -100,6 +107,8 @@ class ReplicaLaunchConfig(BaseModel):
             raise ValueError("base_port + count - 1 exceeds 65535")
         if self.gpus is not None and len(self.gpus) < self.count:
             raise ValueError(f"gpus has {len(self.gpus)} entries for {self.count} replicas")
+        if self.max_lora_rank is not None and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}")
         return self
 
 
@@ -145,8 +154,16 @@ def replica_command(c: ReplicaLaunchConfig, host: str, port: int) -> list[str]:
         *(["--enforce-eager"] if eager else []),
         *(_cuda_args(c) if c.device == "cuda" else []),
         *(["--max-num-seqs", str(c.max_num_seqs)] if c.max_num_seqs is not None else []),
+        *_lora_args(c),
         *c.extra_args,
     ]
+
+
+def _lora_args(c: ReplicaLaunchConfig) -> list[str]:
+    if c.max_lora_rank is None:
+        return []
+    rank, slots = str(c.max_lora_rank), str(c.max_loras)
+    return ["--enable-lora", "--max-lora-rank", rank, "--max-loras", slots]
 
 
 def _cuda_args(c: ReplicaLaunchConfig) -> list[str]:
@@ -176,6 +193,7 @@ def replica_environment(
 ) -> dict[str, str]:
     """The environment of one replica's server: on cpu its OpenMP threads bound to
     `cpu_bind`; on cuda its GPUs in CUDA_VISIBLE_DEVICES (`gpus`; None: those inherited)."""
+    lora = RUNTIME_LORA_ENV if c.max_lora_rank is not None else {}
     if c.device == "cuda":
         return {
             **os.environ,
@@ -184,6 +202,7 @@ def replica_environment(
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             **xgrammar_cache_environment(),
+            **lora,
         }
     return {
         **os.environ,
@@ -196,6 +215,7 @@ def replica_environment(
         "TRANSFORMERS_OFFLINE": "1",
         **(KEEP_FREED_MEMORY if c.keep_freed_memory else {}),
         **xgrammar_cache_environment(),
+        **lora,
     }
 
 
