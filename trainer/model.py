@@ -28,14 +28,21 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from lockgate.trainer import attention
+from lockgate.trainer.config import LoraSpec
+from lockgate.trainer.lora import apply_lora
 
 
-def load_policy(model_dir: Path, device: torch.device) -> PreTrainedModel:
-    """The HF model in fp32 (master weights; mixed precision is FSDP2's job on GPU)."""
+def load_policy(
+    model_dir: Path, device: torch.device, lora: LoraSpec | None = None
+) -> PreTrainedModel:
+    """The HF model in fp32 (master weights; mixed precision is FSDP2's job on GPU); with
+    `lora`, adapters on its target layers and only they trainable (trainer/lora.py)."""
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=attention.IMPLEMENTATION
     )
     model.config.use_cache = False  # training never reuses a KV cache
+    if lora is not None:
+        apply_lora(model, lora)
     return model.to(device)
 
 
@@ -117,13 +124,9 @@ def _after_shared_prefix(
 ) -> list[torch.Tensor]:
     """Each row's logits, its first `shared` tokens (the same in every row) run once."""
     head = model(input_ids=rows[0][None, :shared], use_cache=True)
-    kept = [(layer.keys, layer.values) for layer in head.past_key_values.layers]
+    cache = _PrefixCache(head.past_key_values)
     out = []
     for row in rows:
-        # A cache of its own per row: a forward appends to the cache it is given.
-        cache = DynamicCache()
-        for i, (keys, values) in enumerate(kept):
-            cache.update(keys, values, i)
         positions = torch.arange(shared, len(row), device=row.device)[None, :]
         tail = model(
             input_ids=row[None, shared:],
@@ -133,6 +136,31 @@ def _after_shared_prefix(
         )
         out.append(torch.cat([head.logits[0], tail.logits[0]]))
     return out
+
+
+class _PrefixCache(DynamicCache):
+    """The shared prefix's keys and values, which a forward reads and never appends to: every
+    row's tail attends to the same prefix, and a layer recomputed in backward (activation
+    checkpointing) sees the cache exactly as its first pass did."""
+
+    def __init__(self, prefix: DynamicCache) -> None:
+        super().__init__()
+        for i, layer in enumerate(prefix.layers):
+            super().update(layer.keys, layer.values, i)
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: object,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        return (
+            torch.cat([layer.keys, key_states], dim=-2),
+            torch.cat([layer.values, value_states], dim=-2),
+        )
 
 
 def _ranks() -> int:

@@ -268,8 +268,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, config: TrainerConfig, s
 
 
 def build_optimizer(policy: torch.nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only: with LoRA the frozen base holds no state."""
     return torch.optim.AdamW(
-        policy.parameters(),
+        [p for p in policy.parameters() if p.requires_grad],
         lr=config.lr,
         betas=config.betas,
         weight_decay=config.weight_decay,
