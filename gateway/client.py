@@ -165,6 +165,13 @@ class GatewayClient:
         )
         return LoadReport.model_validate(data)
 
+    async def load_adapter(self, path: str, version: int) -> LoadReport:
+        """Adapter mode: every replica loads the LoRA adapter at `path` as this run's
+        `version` (listed by its /v1/models afterwards); no engine is paused."""
+        body = {"version": version, "transport": "adapter", "path": path}
+        data = await self._request("POST", "/admin/weights", body)
+        return LoadReport.model_validate(data)
+
     async def stage_weights(self, path: str, slice_s: float = 0.2) -> StageReport:
         """Disk transport: every replica prepares its next load of `path` while serving."""
         body = {"path": path, "slice_s": slice_s}

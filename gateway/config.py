@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lockgate.gateway.records.advantages import AdvantageSpec
 
@@ -86,6 +86,23 @@ class RequestLimits(BaseModel):
     )
 
 
+class AdapterServing(BaseModel):
+    """A run that trains a LoRA adapter on a fleet serving the base model, possibly shared with
+    other runs: weight version v >= 1 is the adapter loaded on every replica under
+    `<name>@v<v>` and sent as the generate request's `model`; version 0 is the base model.
+    A sync loads adapters and never pauses or relabels a replica's engine (docs/gateway-api.md,
+    "Adapter mode")."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="The run's adapter name prefix, unique among the runs sharing the replicas "
+        "(their adapters live side by side in each replica).",
+    )
+
+
 # Where a gateway process started from a config file without `admin_token` reads it: the token
 # travels through the environment so that no file of a run dir holds it.
 ADMIN_TOKEN_ENV = "LOCKGATE_ADMIN_TOKEN"
@@ -143,10 +160,26 @@ class GatewayConfig(BaseModel):
     initial_weights: str | None = Field(
         default=None,
         description="HF snapshot the replicas serve at start (default: model_dir when "
-        "initial_version is 0). A weight load that fails on every replica restores it.",
+        "initial_version is 0). A weight load that fails on every replica restores it. In "
+        "adapter mode: the adapter dir of initial_version (required when it is 1 or more), "
+        "loaded on every replica at start.",
+    )
+    adapter: AdapterServing | None = Field(
+        default=None,
+        description="Serve a LoRA adapter per weight version on replicas started with LoRA "
+        "enabled (None: full weights, synced into the replicas themselves).",
     )
     advantages: AdvantageSpec | None = Field(
         default=None,
         description="How the run computes advantages, so the viewer shows what was trained on; "
         "None outside a training run: the viewer then shows GRPO.",
     )
+
+    @model_validator(mode="after")
+    def _adapter_to_start_from(self) -> Self:
+        if self.adapter is not None and self.initial_version > 0 and not self.initial_weights:
+            raise ValueError(
+                f"adapter mode at initial_version {self.initial_version} needs initial_weights: "
+                "the adapter dir of that version, which every replica loads at start"
+            )
+        return self

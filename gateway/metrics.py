@@ -58,11 +58,19 @@ class _LiveState(Collector):
             "1 if the replica is in rotation (healthy and not stale).",
             labels=["replica"],
         )
+        held = GaugeMetricFamily(
+            "lockgate_gateway_replica_version",
+            "Weight version each replica holds for this gateway, labelled in adapter mode with "
+            "the adapter its calls use there (empty at version 0, the base model).",
+            labels=["replica", "adapter"],
+        )
         for replica in status.replicas:
             per_replica.add_metric([replica.url], replica.in_flight)
             healthy.add_metric([replica.url], float(replica.healthy and not replica.stale))
+            held.add_metric([replica.url, replica.adapter or ""], replica.version)
         yield per_replica
         yield healthy
+        yield held
         version = GaugeMetricFamily("lockgate_gateway_weight_version", "Weight version served.")
         version.add_metric([], status.version)
         yield version

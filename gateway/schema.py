@@ -378,14 +378,30 @@ class CollectiveWeights(BaseModel):
     )
 
 
+class AdapterWeights(BaseModel):
+    """A LoRA adapter for a gateway in adapter mode (`GatewayConfig.adapter`): each replica
+    loads it beside the base model under `<name>@v<version>` (replicas/adapters.py), and no
+    replica's engine is paused or relabelled."""
+
+    model_config = ConfigDict(extra="forbid")
+    transport: Literal["adapter"]
+    path: str = Field(
+        min_length=1,
+        description="Adapter dir (peft's adapter_config.json and adapter_model.safetensors) "
+        "every replica can read.",
+    )
+
+
 WeightSource = Annotated[
-    DiskWeights | NcclWeights | CollectiveWeights, Field(discriminator="transport")
+    DiskWeights | NcclWeights | CollectiveWeights | AdapterWeights,
+    Field(discriminator="transport"),
 ]
 
 
 class LoadWeights(BaseModel):
     """`{"version": 3, "path": DIR}` (disk, the default), `{"version", "transport": "nccl",
-    "update_info"}` or `{"version", "transport": "collective", "address", "port", ...}`."""
+    "update_info"}`, `{"version", "transport": "collective", "address", "port", ...}` or
+    `{"version", "transport": "adapter", "path": DIR}` (a gateway in adapter mode)."""
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)
@@ -487,6 +503,9 @@ class ReplicaStatus(BaseModel):
     failures: int
     version: int
     stale: bool = False
+    # Adapter mode: the adapter this gateway's calls use on it (`<name>@v<version>`; None at
+    # version 0, the base model).
+    adapter: str | None = None
 
 
 class GatewayStatus(BaseModel):

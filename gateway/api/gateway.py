@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import uuid
 
 import httpx
@@ -29,6 +30,7 @@ from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import not_found, unauthorized
 from lockgate.gateway.metrics import GatewayMetrics
 from lockgate.gateway.records.merge import merge_calls
+from lockgate.gateway.replicas.adapters import AdapterSet
 from lockgate.gateway.replicas.http1 import Http1Upstream
 from lockgate.gateway.replicas.pause import PauseGate
 from lockgate.gateway.replicas.pool import ReplicaPool
@@ -38,11 +40,15 @@ from lockgate.gateway.schema import (
     DiskWeights,
     FinishSession,
     GatewayStatus,
+    ReplicaStatus,
     SessionSamples,
 )
 from lockgate.gateway.store.trajectories import SessionRow, TrajectoryStore
+from lockgate.gateway.sync.adapter_sync import AdapterSyncController
 from lockgate.gateway.sync.control_plane import ControlPlane
 from lockgate.gateway.sync.controller import SyncController
+
+log = logging.getLogger(__name__)
 
 
 class Gateway:
@@ -58,18 +64,31 @@ class Gateway:
         self._upstream = Http1Upstream(max_connections=1024) if http is None else None
         self.http = http or httpx.AsyncClient(transport=AiohttpTransport(max_connections=1024))
         self.pool = ReplicaPool(
-            config.replicas, self.http, upstream=self._upstream, version=config.initial_version
+            config.replicas,
+            self.http,
+            upstream=self._upstream,
+            version=config.initial_version,
+            engine_labels=config.adapter is None,
         )
         self.gate = PauseGate(config.initial_version, config.max_pause_wait_s)
-        initial = config.initial_weights or (
-            str(config.model_dir) if config.initial_version == 0 else None
-        )
-        # With its own HTTP stack the gateway sends abort pauses from a thread of their own;
-        # an injected client (tests' mock transports) is reachable only from this loop.
-        self._control = ControlPlane() if http is None else None
-        self.sync = SyncController(
-            self.gate, self.pool, DiskWeights(path=initial) if initial else None, self._control
-        )
+        self.adapters: AdapterSet | None = None
+        self._control: ControlPlane | None = None
+        self.sync: SyncController
+        if config.adapter is not None:
+            self.adapters = AdapterSet(config.adapter.name)
+            if config.initial_weights is not None:
+                self.adapters.remember(config.initial_version, config.initial_weights)
+            self.sync = AdapterSyncController(self.gate, self.pool, self.adapters)
+        else:
+            initial = config.initial_weights or (
+                str(config.model_dir) if config.initial_version == 0 else None
+            )
+            # With its own HTTP stack the gateway sends abort pauses from a thread of their
+            # own; an injected client (tests' mock transports) is reachable only from this loop.
+            self._control = ControlPlane() if http is None else None
+            self.sync = SyncController(
+                self.gate, self.pool, DiskWeights(path=initial) if initial else None, self._control
+            )
         self._sessions: dict[str, SessionRow] = {}
         self._by_key: dict[str, str] = {}
         # Client-driven rollouts, once the coordinator opens them (enrolment.py).
@@ -77,7 +96,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.status)
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
         self.calls = CallPipeline(
-            config, self.store, self.renderer, self.gate, self.pool, self.metrics
+            config, self.store, self.renderer, self.gate, self.pool, self.metrics, self.adapters
         )
         self.chat = ChatAnswers(self.calls, self.metrics)
         limits = config.limits
@@ -91,6 +110,14 @@ class Gateway:
         for row in await self.store.load_session_rows():
             row.key_digest = stored_digest(row.key_digest)
             self._remember(row)
+        if self.adapters is not None:
+            await self._load_initial_adapter(self.adapters)
+        else:
+            await self._label_and_resume_engines()
+        self.pool.start()
+        self.loop_lag.start()
+
+    async def _label_and_resume_engines(self) -> None:
         # Label the replicas' engines with the version served, so the per-token version spans
         # vLLM returns agree with the gateway's from the first call (best effort: a replica that
         # is down now is labelled when its first weight load succeeds).
@@ -101,10 +128,27 @@ class Gateway:
         # A replica a previous gateway paused in vLLM and never resumed (it died mid-sync)
         # would hold every call forever; this gateway starts serving, so they serve too.
         await asyncio.gather(*(c.resume() for c in self.pool.clients), return_exceptions=True)
-        self.pool.start()
-        self.loop_lag.start()
+
+    async def _load_initial_adapter(self, adapters: AdapterSet) -> None:
+        """Adapter mode leaves the engines as they are (other runs may share them): only the
+        adapter of the version served is loaded, on every replica (best effort: one that fails
+        now loads it when a call first finds it missing)."""
+        version = self.gate.version
+        path = self.config.initial_weights
+        if version == 0 or path is None:
+            return
+        results = await asyncio.gather(
+            *(adapters.load(c, version, path) for c in self.pool.clients), return_exceptions=True
+        )
+        for client, result in zip(self.pool.clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning(
+                    "%s: adapter of version %d not loaded yet: %s", client.url, version, result
+                )
 
     async def close(self) -> None:
+        if isinstance(self.sync, AdapterSyncController):
+            await self.sync.unloads_done()
         await self.loop_lag.stop()
         await self.pool.stop()
         self.calls.close()
@@ -194,8 +238,15 @@ class Gateway:
             waiting=self.gate.waiting,
             interruptions=self.gate.interruptions,
             tokens_kept=self.gate.tokens_kept,
-            replicas=self.pool.status(),
+            replicas=self._replicas_status(),
         )
+
+    def _replicas_status(self) -> list[ReplicaStatus]:
+        replicas = self.pool.status()
+        if self.adapters is None:
+            return replicas
+        adapters = self.adapters
+        return [r.model_copy(update={"adapter": adapters.model_for(r.version)}) for r in replicas]
 
 
 def bearer(authorization: str | None) -> str | None:

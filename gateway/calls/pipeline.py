@@ -45,6 +45,7 @@ from lockgate.gateway.calls.stops import StopScanner, as_list, cut_at_stop
 from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import GatewayError, bad_request, conflict
 from lockgate.gateway.metrics import GatewayMetrics
+from lockgate.gateway.replicas.adapters import AdapterSet
 from lockgate.gateway.replicas.generation import CallGenerator
 from lockgate.gateway.replicas.pause import PauseGate
 from lockgate.gateway.replicas.pool import ReplicaPool
@@ -89,8 +90,10 @@ class CallPipeline:
         gate: PauseGate,
         pool: ReplicaPool,
         metrics: GatewayMetrics,
+        adapters: AdapterSet | None = None,
     ) -> None:
         self.config = config
+        self.adapters = adapters  # adapter mode (replicas/adapters.py); None: full weights
         self.store = store
         self.renderer = renderer
         self.gate = gate
@@ -201,6 +204,7 @@ class CallPipeline:
             sampling=sampling,
             partial_rollout=self.config.partial_rollout,
             stall_s=self.config.replica_stall_s,
+            adapters=self.adapters,
             stop=StopScanner(as_list(stop), self._decode, self.renderer.silent_token_ids)
             if stop
             else None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from lockgate.gateway.errors import GatewayError, unavailable
+from lockgate.gateway.replicas.adapters import AdapterSet
 from lockgate.gateway.replicas.pause import PauseGate, Segment
 from lockgate.gateway.replicas.pool import ReplicaPool
 from lockgate.gateway.replicas.replica_client import ReplicaChunk, ReplicaClient, ReplicaUnavailable
@@ -135,6 +136,7 @@ class CallGenerator:
         partial_rollout: bool = True,
         stop: StopWatch | None = None,
         stall_s: float = 0.0,
+        adapters: AdapterSet | None = None,
     ) -> None:
         self._gate = gate
         self._pool = pool
@@ -146,6 +148,9 @@ class CallGenerator:
         self._constrained = "structured_outputs" in sampling
         self._stop = stop
         self._stall_s = stall_s
+        # Adapter mode: each segment asks for its version's adapter, and its tokens carry that
+        # version; the engine's label says nothing of adapters (replicas/adapters.py).
+        self._adapters = adapters
         self.sampled = Sampled()
         self.finished = False
 
@@ -233,7 +238,8 @@ class CallGenerator:
                     return True
             if item.finish_reason is not None:
                 result.finish = item.finish_reason
-                result.labelled = _labelled_versions(item, len(s.token_ids) - result.start)
+                if self._adapters is None:
+                    result.labelled = _labelled_versions(item, len(s.token_ids) - result.start)
         return False
 
     def _settle(
@@ -305,7 +311,12 @@ class CallGenerator:
         sampling = {**self._sampling, "max_tokens": remaining}
 
         async def pump(prompt: list[int]) -> None:
-            stream = replica.generate_stream(prompt, sampling, request_id=segment.request_id)
+            if self._adapters is None:
+                stream = replica.generate_stream(prompt, sampling, request_id=segment.request_id)
+            else:
+                stream = self._adapters.stream(
+                    replica, prompt, sampling, segment.request_id, segment.version
+                )
             # The stream holds the prompt only until its request is encoded: thousands of ids
             # per call in flight, which no collection should have to walk (api/server.py).
             del prompt

@@ -41,6 +41,7 @@ class ReplicaPool:
         max_failures: int = 2,
         max_imbalance: int = 4,
         health_interval_s: float = 2.0,
+        engine_labels: bool = True,
     ) -> None:
         self._http = http
         self._upstream = upstream  # generate requests (default: through `http`)
@@ -53,6 +54,9 @@ class ReplicaPool:
         self._max_imbalance = max_imbalance
         self._health_interval_s = health_interval_s
         self._health_task: asyncio.Task[None] | None = None
+        # False in adapter mode: no engine carries this gateway's version (the fleet may serve
+        # other runs); a replica back from a restart gets its adapter at its first call.
+        self._engine_labels = engine_labels
 
     def add(self, url: str, version: int | None = None) -> ReplicaClient:
         client = ReplicaClient(url, self._http, self._upstream)
@@ -200,7 +204,7 @@ class ReplicaPool:
                     replica.healthy = True
                     # A replica that was restarted meanwhile holds whatever it started from,
                     # not the version it served: it waits for the next weight load.
-                    if await self._holds_its_version(replica):
+                    if not self._engine_labels or await self._holds_its_version(replica):
                         log.info("replica %s back in rotation", replica.client.url)
                     else:
                         log.warning(

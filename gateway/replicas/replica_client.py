@@ -19,7 +19,14 @@ from lockgate.gateway.errors import GatewayError, upstream_failed
 from lockgate.gateway.replicas.upstream import HttpxUpstream, ReplicaUnavailable, Upstream
 from lockgate.gateway.vllm_ext.routes import PAUSE_PATH
 
-__all__ = ["ReplicaChunk", "ReplicaClient", "ReplicaUnavailable", "RouteMissing", "parse_events"]
+__all__ = [
+    "ModelMissing",
+    "ReplicaChunk",
+    "ReplicaClient",
+    "ReplicaUnavailable",
+    "RouteMissing",
+    "parse_events",
+]
 
 # Generation may legitimately run for minutes; admin calls must not hang a sync.
 _ADMIN_TIMEOUT_S = 60.0
@@ -41,6 +48,20 @@ class ReplicaChunk:
 
 class RouteMissing(ReplicaUnavailable):
     """The replica answered 404: it does not have this route."""
+
+
+class ModelMissing(GatewayError):
+    """The replica answered 404 "does not exist" for the generate request's `model`: it does
+    not hold that LoRA adapter (restarted, or joined after the adapter was loaded)."""
+
+    def __init__(self, url: str, model: str, text: str) -> None:
+        super().__init__(
+            502,
+            f"replica {url} does not hold the adapter {model!r}: {text[:300]}",
+            type="upstream_error",
+            code="replica_error",
+        )
+        self.model = model
 
 
 def _replica_error(status: int, text: str) -> GatewayError:
@@ -150,20 +171,27 @@ class ReplicaClient:
         self.pause_route: bool | None = None
 
     async def generate_stream(
-        self, prompt_ids: list[int], sampling: dict[str, Any], request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        request_id: str,
+        model: str | None = None,
     ) -> AsyncIterator[ReplicaChunk]:
         """Stream one generation. Always streamed, so that the tokens received before a replica
         dies are kept; closing the iterator early aborts the request in vLLM. Chunks that
-        arrive in one read come as one."""
-        body = orjson.dumps(
-            {
-                "token_ids": prompt_ids,
-                # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
-                "sampling_params": {"logprobs": 0, **sampling},
-                "request_id": request_id,
-                "stream": True,
-            }
-        )
+        arrive in one read come as one. `model`: a LoRA adapter the replica holds (None: the
+        base model); one it does not hold raises `ModelMissing` before any chunk."""
+        request: dict[str, Any] = {
+            "token_ids": prompt_ids,
+            # logprobs=0: the sampled token's own logprob; k > 0 adds the top-k candidates.
+            "sampling_params": {"logprobs": 0, **sampling},
+            "request_id": request_id,
+            "stream": True,
+        }
+        if model is not None:
+            request["model"] = model
+        body = orjson.dumps(request)
+        del request
         del prompt_ids  # encoded: not held for the stream's minutes (generation.py's pump)
         finished = False
         async with self._upstream.post_stream(self._generate_url, body) as resp:
@@ -171,7 +199,10 @@ class ReplicaClient:
                 text = (await resp.read()).decode(errors="replace")
                 raise ReplicaUnavailable(f"{self.url}: HTTP {resp.status}: {text[:300]}")
             if resp.status != 200:
-                raise _replica_error(resp.status, (await resp.read()).decode(errors="replace"))
+                text = (await resp.read()).decode(errors="replace")
+                if resp.status == 404 and model is not None and "does not exist" in text:
+                    raise ModelMissing(self.url, model, text)
+                raise _replica_error(resp.status, text)
             async for batch in _sse_batches(resp.pieces()):
                 # A `[DONE]` is read past rather than ended on: a response closed before its
                 # last (empty) chunk cannot go back to the pool, and a new connection per call

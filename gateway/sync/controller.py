@@ -27,15 +27,18 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
-from lockgate.gateway.errors import GatewayError, conflict
+from lockgate.gateway.errors import GatewayError, bad_request, conflict
 from lockgate.gateway.replicas.pause import PauseGate
 from lockgate.gateway.replicas.pool import ReplicaPool
 from lockgate.gateway.replicas.replica_client import ReplicaClient, ReplicaUnavailable
 from lockgate.gateway.schema import (
+    AdapterWeights,
     CollectiveWeights,
+    DiskWeights,
     LoadReport,
+    NcclWeights,
     PauseMode,
     PauseReport,
     StagedReplica,
@@ -62,6 +65,16 @@ def _no_collection() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _full_weights(source: WeightSource) -> DiskWeights | NcclWeights | CollectiveWeights:
+    if isinstance(source, AdapterWeights):
+        raise bad_request(
+            "this gateway serves full weights: an 'adapter' source needs a gateway started in "
+            "adapter mode (`adapter` in its config) on replicas with LoRA enabled",
+            param="transport",
+        )
+    return source
 
 
 class SyncController:
@@ -95,42 +108,8 @@ class SyncController:
         started = time.perf_counter()
         cut_before, kept_before = self.gate.interruptions, self.gate.tokens_kept
         await self.gate.set_state("pausing")
-        idle_s = replicas_s = 0.0
-        engines_s: float | None = None
         try:
-            if mode == "abort":
-                # Cut first: an engine asked to pause with its streams still running waits out
-                # a longer step and aborts them itself, which made pauses slower (measured in
-                # benchmarks/README.md, "Scale simulation").
-                self._cut_segments()
-                if any(seg.constrained for seg in self.gate.segments.values()):
-                    # Constrained segments finish before vLLM's own pause would abort them.
-                    await self._wait_idle_or_fail(timeout_s, mode)
-
-                # Sent before this coroutine awaits anything (control_plane.py).
-                clients, sent = self._send_pauses("abort")
-
-                async def replicas_paused() -> float:
-                    nonlocal engines_s
-                    engines_s, answered_at = await self._pause_replicas("abort", clients, sent)
-                    return answered_at - started
-
-                async def idle() -> float:
-                    await self._wait_idle_or_fail(timeout_s, mode)
-                    return time.perf_counter() - started
-
-                # Side by side: the cut streams wind down while vLLM pauses its engines.
-                paused = asyncio.ensure_future(replicas_paused())
-                try:
-                    idle_s = await idle()
-                finally:
-                    # Also when the wait fails: the undo must not resume a replica before its
-                    # pause has arrived, or that replica stays paused.
-                    replicas_s = await paused
-            elif mode == "keep":
-                engines_s, _ = await self._pause_replicas("keep", *self._send_pauses("keep"))
-            else:
-                await self._wait_idle_or_fail(timeout_s, mode)
+            idle_s, replicas_s, engines_s = await self._quiesce(mode, timeout_s, started)
         except BaseException:
             await self._undo_pause()
             raise
@@ -146,6 +125,49 @@ class SyncController:
             replicas_paused_s=replicas_s,
             engines_paused_s=engines_s,
         )
+
+    async def _quiesce(
+        self, mode: PauseMode, timeout_s: float, started: float
+    ) -> tuple[float, float, float | None]:
+        """Bring the calls and the replicas to rest for `mode`: when every cut stream closed and
+        when every replica paused (seconds since `started`, abort only), and the longest time an
+        engine reported taking to pause."""
+        idle_s = replicas_s = 0.0
+        engines_s: float | None = None
+        if mode == "abort":
+            # Cut first: an engine asked to pause with its streams still running waits out
+            # a longer step and aborts them itself, which made pauses slower (measured in
+            # benchmarks/README.md, "Scale simulation").
+            self._cut_segments()
+            if any(seg.constrained for seg in self.gate.segments.values()):
+                # Constrained segments finish before vLLM's own pause would abort them.
+                await self._wait_idle_or_fail(timeout_s, mode)
+
+            # Sent before this coroutine awaits anything (control_plane.py).
+            clients, sent = self._send_pauses("abort")
+
+            async def replicas_paused() -> float:
+                nonlocal engines_s
+                engines_s, answered_at = await self._pause_replicas("abort", clients, sent)
+                return answered_at - started
+
+            async def idle() -> float:
+                await self._wait_idle_or_fail(timeout_s, mode)
+                return time.perf_counter() - started
+
+            # Side by side: the cut streams wind down while vLLM pauses its engines.
+            paused = asyncio.ensure_future(replicas_paused())
+            try:
+                idle_s = await idle()
+            finally:
+                # Also when the wait fails: the undo must not resume a replica before its
+                # pause has arrived, or that replica stays paused.
+                replicas_s = await paused
+        elif mode == "keep":
+            engines_s, _ = await self._pause_replicas("keep", *self._send_pauses("keep"))
+        else:
+            await self._wait_idle_or_fail(timeout_s, mode)
+        return idle_s, replicas_s, engines_s
 
     def _send_pauses(
         self, mode: str
@@ -229,6 +251,7 @@ class SyncController:
         correct (each replica runs one RPC at a time; a load of other weights drops the
         staging). Stagings run one at a time: two would drop each other's work.
         """
+        source = _full_weights(source)
         async with self._stage_lock:
             started = time.perf_counter()
             transport = transport_for(source)
@@ -272,24 +295,15 @@ class SyncController:
         return WeightsLayout(transposed=common or {}, hf_because=hf_because)
 
     async def load(self, source: WeightSource, version: int) -> LoadReport:
+        source = _full_weights(source)
         async with self._lock:
             if self.gate.state != "paused":
                 raise conflict("pause the gateway before loading weights")
             started = time.perf_counter()
             transport = transport_for(source, [c.url for c in self.pool.clients], version)
-            clients = self.pool.reachable_clients()
-            results = await asyncio.gather(
-                *(self._load_one(transport, c, version) for c in clients), return_exceptions=True
+            loaded, failed = await self._load_everywhere(
+                lambda client: self._load_one(transport, client, version), version
             )
-            loaded: list[str] = []
-            failed: dict[str, str] = {}
-            for client, result in zip(clients, results, strict=True):
-                if isinstance(result, BaseException):
-                    failed[client.url] = f"{type(result).__name__}: {result}"
-                    self.pool.mark_stale(client)
-                else:
-                    self.pool.set_version(client, version)
-                    loaded.append(client.url)
             if not loaded:
                 restored = await self._restore(failed)
                 held = (
@@ -312,6 +326,24 @@ class SyncController:
                 load_s=time.perf_counter() - started,
             )
 
+    async def _load_everywhere(
+        self, load: Callable[[ReplicaClient], Awaitable[None]], version: int
+    ) -> tuple[list[str], dict[str, str]]:
+        """`load` on every reachable replica at once: the replicas that took `version` (now
+        serving it), and why each other failed (now stale: out of the rotation)."""
+        clients = self.pool.reachable_clients()
+        results = await asyncio.gather(*(load(c) for c in clients), return_exceptions=True)
+        loaded: list[str] = []
+        failed: dict[str, str] = {}
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                failed[client.url] = f"{type(result).__name__}: {result}"
+                self.pool.mark_stale(client)
+            else:
+                self.pool.set_version(client, version)
+                loaded.append(client.url)
+        return loaded, failed
+
     async def _restore(self, failed: dict[str, str]) -> list[str]:
         """Reload the version still served onto replicas whose load failed.
 
@@ -319,7 +351,7 @@ class SyncController:
         no known version until it loads a whole snapshot again. Used only when no replica took
         the new version: without it the gateway could not resume the old one.
         """
-        if self._current is None or isinstance(self._current, CollectiveWeights):
+        if self._current is None or isinstance(self._current, CollectiveWeights | AdapterWeights):
             return []  # a collective source has no sender outside a sync: nothing to take
         transport = transport_for(self._current)
         clients = [c for c in self.pool.reachable_clients() if c.url in failed]
