@@ -1,7 +1,8 @@
 """The trainer's logprobs of token sequences, the same definition the loss uses.
 
 `logprobs_from_dir` runs without any process group: it is how tests and tools check that what
-the replicas recorded is what the trainer computes (logprob parity).
+the replicas recorded is what the trainer computes (logprob parity). Given a LoRA adapter dir
+it runs the adapter's base model with the adapter applied, as the trainer does.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lockgate.trainer.lora import is_adapter_dir, is_lora_name, read_adapter
 from lockgate.trainer.loss import token_logprobs
 from lockgate.trainer.micro_batches import plan_micro_batches
 from lockgate.trainer.model import forward_logits, load_policy, pad_batch
@@ -37,5 +39,20 @@ def sequence_logprobs(
 
 def logprobs_from_dir(model_dir: Path, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
     device = torch.device("cpu")
-    model = load_policy(Path(model_dir), device).eval()
-    return sequence_logprobs(model, sequences, device)
+    return sequence_logprobs(load_from_dir(Path(model_dir), device), sequences, device)
+
+
+def load_from_dir(path: Path, device: torch.device) -> torch.nn.Module:
+    """The model in an HF model dir, or in an adapter dir its base with the adapter applied
+    (eval mode)."""
+    if not is_adapter_dir(path):
+        return load_policy(path, device).eval()
+    spec, base, tensors = read_adapter(path)
+    model = load_policy(base, device, spec)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    adapters = [name for name in missing if is_lora_name(name)]
+    if adapters or unexpected:
+        raise ValueError(
+            f"{path} does not fit {base}: missing {adapters[:3]}, unexpected {unexpected[:3]}"
+        )
+    return model.eval()

@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lockgate.trainer import protocol
 from lockgate.trainer.checkpoint import clear_checkpoints, latest_checkpoint, load_checkpoint
+from lockgate.trainer.config import LoraSpec
 from lockgate.trainer.export import write_snapshot
+from lockgate.trainer.lora import write_adapter
 from lockgate.trainer.parallel import Distributed
 from lockgate.trainer.protocol import ExportLayout
 
@@ -37,6 +39,19 @@ def export_model(
     state = full_state_dict(model)
     if world.is_main:
         write_snapshot(state, source_dir, out, layout)
+
+
+def export_adapter(
+    model: torch.nn.Module, spec: LoraSpec, base_dir: Path, out: Path, world: Distributed
+) -> None:
+    """Collective: write the sharded model's LoRA adapters (only they are gathered) as an
+    adapter dir at `out` for the base model in `base_dir` (trainer/lora.py)."""
+    state = get_model_state_dict(
+        model,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True),
+    )
+    if world.is_main:
+        write_adapter(state, spec, base_dir, out)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

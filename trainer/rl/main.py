@@ -34,6 +34,7 @@ from lockgate.trainer.parallel import Distributed, init_distributed, shard_model
 from lockgate.trainer.precision import choose_compute_dtype, read_cpu_info
 from lockgate.trainer.rank import (
     die_with_launcher,
+    export_adapter,
     export_model,
     full_state_dict,
     record_failure,
@@ -84,15 +85,19 @@ def _export(
     sender: WeightsSender | None,
 ) -> str:
     """Collective: step's weights where the replicas will take them from: a snapshot (its
-    path), or with the collective transport the image rank 0 holds for the sender (no path)."""
-    layout = protocol.export_layout(run_dir) if world.is_main else None
-    if config.weights == "collective":
-        state = full_state_dict(model)
-        if sender is not None:
-            sender.hold(step, snapshot_image(state, layout))
-        return ""
+    path), with LoRA the adapter dir in the snapshot's place, or with the collective transport
+    the image rank 0 holds for the sender (no path)."""
     out = protocol.snapshot_dir(run_dir, step)
-    export_model(model, config.model_dir, out, world, layout)
+    if config.lora is not None:
+        export_adapter(model, config.lora, config.model_dir, out, world)
+    else:
+        layout = protocol.export_layout(run_dir) if world.is_main else None
+        if config.weights == "collective":
+            state = full_state_dict(model)
+            if sender is not None:
+                sender.hold(step, snapshot_image(state, layout))
+            return ""
+        export_model(model, config.model_dir, out, world, layout)
     if world.is_main:
         prune_snapshots(out.parent, config.keep_snapshots, step)
     return str(out)
@@ -149,7 +154,7 @@ def serve(run_dir: Path) -> None:
     config = TrainerConfig.model_validate_json(protocol.config_path(run_dir).read_text())
     world = init_distributed(config.device, config.micro_batch_packing)
     config = _start_rank(config, world)
-    policy = load_policy(config.model_dir, world.device)
+    policy = load_policy(config.model_dir, world.device, config.lora)
     shard_model(
         policy,
         world.mesh,

@@ -15,20 +15,10 @@ from lockgate.trainer.lora import LoraLinear, is_lora_name, merge_state_dict
 from lockgate.trainer.model import MIN_SHARED_PREFIX, forward_logits, load_policy, pad_batch
 from lockgate.trainer.parallel import apply_activation_checkpointing
 from lockgate.trainer.step import build_optimizer
+from tests.support.lora_models import trained_lora_model
 
 CPU = torch.device("cpu")
 SPEC = LoraSpec(rank=4, alpha=8)
-
-
-def _lora_model(model_dir: Path, spec: LoraSpec = SPEC, *, seed: int = 0) -> torch.nn.Module:
-    """The tiny model with adapters whose B is random (an adapter that has trained)."""
-    torch.manual_seed(seed)
-    model = load_policy(model_dir, CPU, spec)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_B.weight"):
-                param.normal_(0, 0.05)
-    return model
 
 
 def _batch(vocab: int, lengths: list[int], *, prefix: int = 0) -> tuple[torch.Tensor, list[int]]:
@@ -80,7 +70,7 @@ def test_a_fresh_adapter_is_exactly_the_base_model(tiny_model_dir: Path, pack: b
 def test_an_adapter_is_exactly_the_merged_weights(tiny_model_dir: Path, pack: bool) -> None:
     """What vLLM serves for an adapter and what export-hf --merge writes is W + (alpha/r) B@A:
     the trainer's logits (so its logprobs) are that model's, in fp32 to float rounding."""
-    model = _lora_model(tiny_model_dir).eval()
+    model = trained_lora_model(tiny_model_dir, SPEC).eval()
     merged = load_policy(tiny_model_dir, CPU).eval()
     merged.load_state_dict(merge_state_dict(model.state_dict(), SPEC.scaling))
     base = load_policy(tiny_model_dir, CPU).eval()
@@ -131,7 +121,7 @@ def test_the_three_paths_give_the_same_adapter_gradients(
     activation checkpointing: the same adapter gradients, and none on the base."""
     grads = []
     for pack in (True, False):
-        model = _lora_model(tiny_model_dir)
+        model = trained_lora_model(tiny_model_dir, SPEC)
         if checkpointing:
             apply_activation_checkpointing(model)
         ids, lengths = _batch(model.config.vocab_size, [40, 48], prefix=MIN_SHARED_PREFIX + 4)

@@ -15,23 +15,13 @@ from torch.distributed.tensor import DTensor
 
 from lockgate.trainer.config import ComputeDtype, LoraSpec
 from lockgate.trainer.lora import is_lora_name
-from lockgate.trainer.model import forward_logits, load_policy, pad_batch
+from lockgate.trainer.model import forward_logits, pad_batch
 from lockgate.trainer.parallel import shard_model
+from tests.support.lora_models import trained_lora_model
 
 SPEC = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 LENGTHS = [24, 31]
 CPU = torch.device("cpu")
-
-
-def _model(model_dir: Path) -> torch.nn.Module:
-    torch.manual_seed(0)  # every rank draws the same A, as the rank programs seed first
-    model = load_policy(model_dir, CPU, SPEC)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_B.weight"):
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    return model
 
 
 def _rows(vocab: int) -> list[list[int]]:
@@ -65,7 +55,7 @@ def _rank(
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
-        model = _model(model_dir)
+        model = trained_lora_model(model_dir, SPEC)
         shard_model(
             model,
             init_device_mesh("cpu", (2,)),
@@ -98,7 +88,7 @@ def test_two_fsdp2_ranks_give_one_process_loss_and_adapter_grads(
         join=True,
     )
     sharded = torch.load(out, weights_only=True)
-    model = _model(tiny_model_dir)
+    model = trained_lora_model(tiny_model_dir, SPEC)
     rows = _rows(model.config.vocab_size)
     loss = _loss(model, rows, sum(n - 1 for n in LENGTHS))
     loss.backward()
