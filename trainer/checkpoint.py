@@ -8,6 +8,9 @@ crash mid-save leaves only a temp folder, which the next save of that step repla
 
 The learning-rate schedule is a pure function of the step (`schedule.py`), so the step is the
 scheduler's whole state.
+
+With LoRA the base weights are frozen and come from the model dir at every start: a checkpoint
+holds only the trainable parameters (the adapters) and their optimizer state.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from lockgate.trainer.parallel import Distributed
 
@@ -110,6 +117,12 @@ def _quiet_alone() -> Iterator[None]:
         yield
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """Frozen parameters (a LoRA model's base) are neither saved nor expected on load."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -126,7 +139,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     with _quiet_alone():
         dcp.save(
             {"model": model_state, "optimizer": optim_state},
@@ -151,12 +164,17 @@ def load_checkpoint(
 ) -> int:
     """Collective: restore model, optimizer and this rank's RNG from `path`; returns its step."""
     meta = json.loads((path / _META).read_text())
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     with _quiet_alone():
         dcp.load(state, checkpoint_id=path, no_dist=_alone(world))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
     )
     rng = path / f"rng_rank{world.rank}.pt"
     if rng.is_file():
