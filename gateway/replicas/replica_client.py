@@ -252,7 +252,12 @@ class ReplicaClient:
         if resp.status_code != 200:
             error = RouteMissing if resp.status_code == 404 else ReplicaUnavailable
             raise error(f"{self.url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp.json() if resp.content else None
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text  # vLLM's LoRA routes answer in plain text ("Success: ...")
 
     async def reset_prefix_cache(self) -> None:
         await self.call_admin("/reset_prefix_cache")

@@ -16,12 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from lockgate.gateway.api.app import create_app
-from lockgate.gateway.config import GatewayConfig
 from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.replicas.pause import PauseGate, Segment
 from lockgate.gateway.replicas.pool import ReplicaPool
 from lockgate.gateway.sync.controller import SyncController
+from tests.support.mocked_gateway import mocked_gateway
 
 ADMIN = "admin-token-for-sync-edges"
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -162,31 +161,12 @@ async def stack(tiny_model_dir: Path, tmp_path: Path, request: pytest.FixtureReq
         SlowReplica(f"http://replica-{i}", list(range(300, 300 + WORDS)), pause_route=i == 0)
         for i in range(2)
     ]
-    by_host = {r.url.removeprefix("http://"): r for r in replicas}
-
-    async def route(req: httpx.Request) -> httpx.Response:
-        return await by_host[req.url.host].handler(req)
-
-    overrides = getattr(request, "param", {})
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(route))
-    app = create_app(
-        GatewayConfig(
-            model_dir=tiny_model_dir,
-            replicas=[r.url for r in replicas],
-            db_path=tmp_path / "store.sqlite",
-            admin_token=ADMIN,
-            max_model_len=512,
-            **overrides,
-        ),
-        http=upstream,
-    )
-    await app.state.gateway.start()
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=30
-    ) as client:
+    fakes = {r.url: r.handler for r in replicas}
+    db, overrides = tmp_path / "store.sqlite", getattr(request, "param", {})
+    async with mocked_gateway(
+        fakes, model_dir=tiny_model_dir, db_path=db, admin_token=ADMIN, **overrides
+    ) as (app, client):
         yield Stack(app, client, replicas)
-    await app.state.gateway.close()
-    await upstream.aclose()
 
 
 async def _sync(stack: Stack, mode: str, path: str, version: int) -> dict[str, Any]:
