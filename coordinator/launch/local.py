@@ -185,8 +185,13 @@ def _validation_gateway(training: GatewayConfig, run_dir: Path, host: str) -> Ga
     """A second gateway on the same replicas that samples greedily, for validation rollouts;
     it listens where the training one does, so that agents elsewhere reach it too."""
     greedy = training.sampling.model_copy(update={"mode": "override", "temperature": 0.0})
-    config = training.model_copy(update={"db_path": RunDir(run_dir).val_store, "sampling": greedy})
-    return GatewayProcess(config, run_dir, name=VAL_GATEWAY, host=host)
+    update: dict[str, object] = {"db_path": RunDir(run_dir).val_store, "sampling": greedy}
+    if training.adapter is not None:
+        # Adapters of its own: each gateway loads and unloads the adapters it names.
+        update["adapter"] = training.adapter.model_copy(
+            update={"name": f"{training.adapter.name}-val"}
+        )
+    return GatewayProcess(training.model_copy(update=update), run_dir, name=VAL_GATEWAY, host=host)
 
 
 def _replica_urls(
@@ -380,6 +385,7 @@ async def _run_loop(
                 validation=validation,
                 previous_rewards=rewards,
                 source=source,
+                adapters=config.model.lora is not None,
             )
             try:
                 return await _watched(loop.run(), parts.started_gateways())

@@ -18,7 +18,7 @@ from lockgate.coordinator.errors import ConfigError
 from lockgate.coordinator.launch.replicas import ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.calls.chat_format import ChatFormatError, resolve_chat_format
-from lockgate.gateway.config import GatewayConfig
+from lockgate.gateway.config import AdapterServing, GatewayConfig
 from lockgate.gateway.records.advantages import AdvantageSpec
 
 if TYPE_CHECKING:  # placement.py imports deploy_checks, which imports this module
@@ -42,7 +42,7 @@ def adapter_name(run_dir: Path) -> str:
     the replicas' model list, and a short hash of the dir's absolute path, so that two runs on
     one fleet never share a name even when their dirs are named alike."""
     resolved = run_dir.resolve()
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-") or "run"
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-._") or "run"
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
     return f"{readable[:40]}-{digest}"
 
@@ -100,6 +100,7 @@ def gateway_config_of(
         advantages=AdvantageSpec.model_validate(
             config.algorithm.model_dump(include=set(AdvantageSpec.model_fields))
         ),
+        adapter=None if config.model.lora is None else AdapterServing(name=adapter_name(run_dir)),
     )
 
 

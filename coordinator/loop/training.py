@@ -25,6 +25,11 @@ Validation (`val_every`): a round of greedy rollouts starts right after the sync
 waits for it, so training stalls only if a round outlasts a whole step. Its `val/*` metrics go
 on the first step record written after it ends.
 
+With `model.lora` (`adapters`) a step's weights are a LoRA adapter: the sync is the same pause,
+load and resume, the load having the gateway (in adapter mode) load the adapter into every
+replica beside the base model; the validation gateway names adapters of its own, so a round
+first has it load the adapter of the version it validates.
+
 Resume: every step appends its `LoopState` (loop_state.py) before its batch goes to the
 trainer; a loop given the state of the trainer's checkpoint step syncs the replicas to that
 step's weights, dispatches the groups pending at that step again, and goes on from there.
@@ -103,6 +108,9 @@ class Validation:
 
     gateway: GatewayClient
     tasks: Sequence[Task]
+    # With adapters, the weights version that gateway's calls ask for: a full sync changes the
+    # weights under both gateways at once, but each gateway names the adapter it uses itself.
+    version: int = 0
 
 
 class TrainingLoop:
@@ -122,8 +130,12 @@ class TrainingLoop:
         validation: Validation | None = None,
         previous_rewards: Sequence[float] = (),
         source: GroupSource | None = None,
+        adapters: bool = False,
     ) -> None:
         self.config = config
+        # model.lora: each step's weights are a LoRA adapter the gateway has the replicas load
+        # beside the base model they serve (its adapter mode), not a snapshot they reload.
+        self.adapters = adapters
         self.algorithm = algorithm or AlgorithmSection()
         self.sync = sync or SyncSection()
         self.env = env
@@ -147,6 +159,7 @@ class TrainingLoop:
         self._val_reported = False
         self._export_layout: ExportLayout | None = None  # what the trainer was last told
         self._group: CollectiveWeights | None = None  # the collective transport's, once formed
+        self._weights_dir = ""  # where the replicas' current version came from ("": the start)
         self._rewards = list(previous_rewards)
         # The task cursor (loop_state.py): serials dispatched and not yet trained or dropped.
         self._pending: set[int] = set()
@@ -195,8 +208,9 @@ class TrainingLoop:
     async def _choose_snapshot_layout(self) -> None:
         """Have the trainer write this step's snapshot in the layout the replicas load fastest.
         Asked before every batch (the gateway answers from what it knows of each replica), so
-        a replica added during the run without the direct load turns snapshots back to HF."""
-        if self.sync.snapshot_layout == "hf":
+        a replica added during the run without the direct load turns snapshots back to HF.
+        An adapter has no layout to choose."""
+        if self.sync.snapshot_layout == "hf" or self.adapters:
             return
         try:
             layout = await self.gateway.weights_layout()
@@ -402,17 +416,25 @@ class TrainingLoop:
     def _start_validation(self, tg: asyncio.TaskGroup) -> None:
         assert self._validation is not None
         self._val_task = tg.create_task(
-            run_validation(
-                self._validation.gateway,
-                self.env,
-                self._validation.tasks,
-                version=self.version,
-                concurrency=self.config.val_concurrency,
-                timeout_s=self.config.rollout_timeout_s,
-            ),
-            name=f"validation-v{self.version}",
+            self._validate(self._validation, self.version), name=f"validation-v{self.version}"
         )
         self._val_reported = False
+
+    async def _validate(self, validation: Validation, version: int) -> dict[str, float]:
+        if self.adapters and validation.version != version:
+            # No round runs on it meanwhile: nothing of its own is cut.
+            await validation.gateway.pause(self.sync.mode, self.sync.pause_timeout_s)
+            await validation.gateway.load_adapter(self._weights_dir, version)
+            await validation.gateway.resume(version)
+            validation.version = version
+        return await run_validation(
+            validation.gateway,
+            self.env,
+            validation.tasks,
+            version=version,
+            concurrency=self.config.val_concurrency,
+            timeout_s=self.config.rollout_timeout_s,
+        )
 
     def _finished_validation(self) -> dict[str, float]:
         """The last round's metrics, once, on the first record after it ends."""
@@ -449,11 +471,14 @@ class TrainingLoop:
     async def _load(self, weights_dir: str, version: int) -> LoadReport:
         """Load `version` into every replica (the gateway is paused).
 
-        Disk: the gateway has every replica read the snapshot in `weights_dir`. Collective:
-        the gateway's receive on the replicas and the trainer's send run at the same time, as
-        they must (each member of the group waits for the others); whichever fails first
-        fails the load, the other is cancelled (its own collectives time out after the
-        group's timeout on the trainer and the replicas), so nobody waits out the other."""
+        Adapters: the gateway has every replica load the adapter in `weights_dir` under the
+        version's name. Disk: the gateway has every replica read the snapshot in `weights_dir`.
+        Collective: the gateway's receive on the replicas and the trainer's send run at the
+        same time, as they must (each member of the group waits for the others); whichever
+        fails first fails the load, the other is cancelled (its own collectives time out after
+        the group's timeout on the trainer and the replicas), so nobody waits out the other."""
+        if self.adapters:
+            return await self.gateway.load_adapter(weights_dir, version)
         if self.sync.transport == "disk":
             return await self.gateway.load_weights(weights_dir, version)
         source = await self._weights_group()
@@ -531,6 +556,7 @@ class TrainingLoop:
         resume_started = time.monotonic()
         await self.gateway.resume(version)
         resume_s = time.monotonic() - resume_started
+        self._weights_dir = weights_dir
         async with self.version_changed:
             self.version = version
             self.version_changed.notify_all()
