@@ -19,7 +19,7 @@ from lockgate.trainer import protocol
 from lockgate.trainer.checkpoint import clear_checkpoints, latest_checkpoint, load_checkpoint
 from lockgate.trainer.config import LoraSpec
 from lockgate.trainer.export import write_snapshot
-from lockgate.trainer.lora import write_adapter
+from lockgate.trainer.lora import merge_state_dict, write_adapter
 from lockgate.trainer.parallel import Distributed
 from lockgate.trainer.protocol import ExportLayout
 
@@ -33,11 +33,17 @@ def export_model(
     out: Path,
     world: Distributed,
     layout: ExportLayout | None = None,
+    *,
+    merge: LoraSpec | None = None,
 ) -> None:
     """Collective: write the sharded model's full weights as a snapshot at `out` beside
-    `source_dir`'s config and tokenizer files (HF layout unless `layout` says otherwise)."""
+    `source_dir`'s config and tokenizer files (HF layout unless `layout` says otherwise).
+    With `merge` (the model's LoRA spec) its adapters are merged into the base weights, so the
+    snapshot is a plain HF model."""
     state = full_state_dict(model)
     if world.is_main:
+        if merge is not None:
+            state = merge_state_dict(state, merge.scaling)
         write_snapshot(state, source_dir, out, layout)
 
 

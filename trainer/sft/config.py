@@ -240,11 +240,11 @@ class SFTTrainerSection(BaseModel):
             raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return self
 
-    def to_trainer_config(self, model_dir: Path) -> TrainerConfig:
+    def to_trainer_config(self, model_dir: Path, lora: LoraSpec | None = None) -> TrainerConfig:
         """The full trainer config the shared step code takes (the RL-only fields stay at
         their defaults, which the supervised loss does not read). Validates as TrainerConfig
         does, so a schedule without decay_steps fails here as it does in `lockgate train`."""
-        return TrainerConfig(model_dir=model_dir, **self.model_dump())
+        return TrainerConfig(model_dir=model_dir, lora=lora, **self.model_dump())
 
 
 class SFTConfig(BaseModel):
@@ -343,6 +343,10 @@ class SFTLayout:
     @property
     def final(self) -> Path:  # the HF model dir at the end
         return self.out / "final"
+
+    @property
+    def final_adapter(self) -> Path:  # with model.lora: the adapter dir beside final/
+        return self.out / "final_adapter"
 
     @property
     def log(self) -> Path:  # everything torchrun and the ranks print

@@ -9,7 +9,8 @@ one AdamW update follows. The loss is the cross-entropy mean over the step's ass
 (every trained token of the step weighs the same, whichever conversation, micro-batch or rank
 it is on). Rank 0 writes `metrics.jsonl` and a progress line; checkpoints (`checkpoint.py`)
 come every `checkpoint_every` steps and at the last one, and the model ends as an HF model dir
-in `OUT/final/`.
+in `OUT/final/`. With `model.lora` only the adapters train (and are checkpointed); `final/`
+then holds the merged model and `OUT/final_adapter/` the adapter (trainer/lora.py).
 
 With `--resume` the newest checkpoint's step N is loaded with its optimizer and RNG; the plan is
 a pure function of the data and the config, so step N + 1 trains what it would have trained
@@ -38,6 +39,7 @@ from lockgate.trainer.precision import choose_compute_dtype, read_cpu_info
 from lockgate.trainer.protocol import write_atomic
 from lockgate.trainer.rank import (
     die_with_launcher,
+    export_adapter,
     export_model,
     record_failure,
     restore_or_clear,
@@ -247,7 +249,7 @@ def _with_compute_dtype(trainer: TrainerConfig, world: Distributed) -> TrainerCo
 def train(config: SFTConfig, *, resume: bool) -> str | None:
     """Run the plan (or resume it); why the run fails `loop.require`, or None."""
     layout = config.layout
-    trainer = config.trainer.to_trainer_config(config.model_dir)
+    trainer = config.trainer.to_trainer_config(config.model_dir, config.model.lora)
     world = init_distributed(trainer.device, trainer.micro_batch_packing)
     torch.set_num_threads(trainer.num_threads)
     torch.manual_seed(trainer.seed)
@@ -255,7 +257,7 @@ def train(config: SFTConfig, *, resume: bool) -> str | None:
     examples = read_examples(layout.train_data)
     val = read_examples(layout.val_data) if config.data.val_path is not None else []
     plan = _plan(config, examples)
-    policy = load_policy(config.model_dir, world.device)
+    policy = load_policy(config.model_dir, world.device, trainer.lora)
     shard_model(
         policy,
         world.mesh,
@@ -303,12 +305,22 @@ def train(config: SFTConfig, *, resume: bool) -> str | None:
             )
         if reason:
             break
-    export_model(policy, config.model_dir, layout.final, world)
+    _export_final(policy, config, world)
     if world.is_main:
         why = f" ({reason})" if reason else ""
         print(f"sft done: {last} steps{why}, model in {layout.final}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
     return requirement_missed(losses, exact, config.loop, last)
+
+
+def _export_final(policy: torch.nn.Module, config: SFTConfig, world: Distributed) -> None:
+    """Collective: the trained model as an HF model dir in final/, which every later stage
+    loads as it would a fully fine-tuned one; with LoRA the adapters are merged into it and
+    also written as an adapter dir in final_adapter/ (what vLLM serves on the base model)."""
+    layout, lora = config.layout, config.model.lora
+    export_model(policy, config.model_dir, layout.final, world, merge=lora)
+    if lora is not None:
+        export_adapter(policy, lora, config.model_dir, layout.final_adapter, world)
 
 
 def main(argv: list[str] | None = None) -> int:
