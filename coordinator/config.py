@@ -699,6 +699,11 @@ class RunConfig(BaseModel):
                 "sync.stage prepares the load of a full snapshot; with model.lora a sync loads "
                 "a small adapter and has nothing to stage (set stage: false)"
             )
+        if self.sync.mode == "keep":
+            raise ValueError(
+                "sync.mode: keep freezes calls inside the replicas' engines, which with "
+                "model.lora may serve other runs too; use abort or drain"
+            )
         return self
 
     @model_validator(mode="after")

@@ -37,14 +37,21 @@ def run_dir_of(config: RunConfig) -> Path:
     return (config.run_dir or Path("runs") / config.name).resolve()
 
 
-def adapter_name(run_dir: Path) -> str:
+def adapter_name(run_dir: Path, launch: str) -> str:
     """The name a run's adapters carry on the replicas: its run dir's name, for whoever reads
-    the replicas' model list, and a short hash of the dir's absolute path, so that two runs on
-    one fleet never share a name even when their dirs are named alike."""
+    the replicas' model list; a short hash of the dir's absolute path, so that two runs on one
+    fleet never share a name even when their dirs are named alike; and `launch`, a token of
+    this start of the run: a resumed run publishes versions again, at the same paths and with
+    other weights than before the kill, and vLLM keys its prefix cache by adapter name and
+    path, so a name reused across starts could serve KV computed with the old adapter."""
     resolved = run_dir.resolve()
     readable = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-._") or "run"
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
-    return f"{readable[:40]}-{digest}"
+    return f"{readable[:40]}-{digest}-{launch}"
+
+
+def new_launch_token() -> str:
+    return secrets.token_hex(3)
 
 
 def admin_token_of(section: GatewaySection) -> str | None:
@@ -100,7 +107,11 @@ def gateway_config_of(
         advantages=AdvantageSpec.model_validate(
             config.algorithm.model_dump(include=set(AdvantageSpec.model_fields))
         ),
-        adapter=None if config.model.lora is None else AdapterServing(name=adapter_name(run_dir)),
+        adapter=(
+            None
+            if config.model.lora is None
+            else AdapterServing(name=adapter_name(run_dir, new_launch_token()))
+        ),
     )
 
 

@@ -59,6 +59,12 @@ def test_lora_refuses_staging_a_snapshot_it_does_not_write() -> None:
         _config(model={"lora": {}}, sync={"stage": True})
 
 
+def test_lora_refuses_the_keep_pause_that_would_freeze_other_runs_calls() -> None:
+    with pytest.raises(ValueError, match=r"sync\.mode: keep freezes calls"):
+        _config(model={"lora": {}}, sync={"mode": "keep"})
+    assert _config(model={"lora": {}}, sync={"mode": "drain"}).sync.mode == "drain"
+
+
 def test_the_trainer_section_takes_no_lora_of_its_own() -> None:
     with pytest.raises(ValueError, match=r"adapters are set in model\.lora"):
         _config(trainer={"lora": {"rank": 8}})
@@ -96,11 +102,16 @@ def test_replicas_without_lora_get_no_lora_flag_nor_variable(
         ReplicaLaunchConfig(model_dir=tmp_path, log_dir=tmp_path, max_lora_rank=12)
 
 
-def test_adapter_names_are_stable_per_run_dir_and_differ_between_run_dirs(tmp_path: Path) -> None:
+def test_adapter_names_tell_runs_and_their_starts_apart(tmp_path: Path) -> None:
     one, other = tmp_path / "a" / "toy", tmp_path / "b" / "toy"
-    assert adapter_name(one) == adapter_name(one) == adapter_name(tmp_path / "a" / "." / "toy")
-    assert adapter_name(one) != adapter_name(other)
-    assert adapter_name(one).startswith("toy-")
+    assert adapter_name(one, "1f2e") == adapter_name(tmp_path / "a" / "." / "toy", "1f2e")
+    assert adapter_name(one, "1f2e") != adapter_name(other, "1f2e")
+    # A resumed run (a new start) names its adapters anew.
+    assert adapter_name(one, "1f2e") != adapter_name(one, "0b3c")
+    assert adapter_name(one, "1f2e").startswith("toy-") and adapter_name(one, "1f2e").endswith(
+        "-1f2e"
+    )
     # Odd characters of a dir name do not reach the replicas' model names.
-    odd = adapter_name(tmp_path / "my run@v1 (x)")
+    odd = adapter_name(tmp_path / "my run@v1 (x)", "1f2e")
     assert odd.startswith("my-run-v1-x-") and "@" not in odd and " " not in odd
+    assert adapter_name(tmp_path / "_hidden", "1f2e").startswith("hidden-")

@@ -118,9 +118,13 @@ def test_the_gateways_of_a_lora_run_name_their_adapters(tmp_path: Path) -> None:
     run_dir = tmp_path / "toy"
     model_dir = ensure_tiny_model()
     training = gateway_config_of(config, model_dir, ["http://r:1"], run_dir, "token-123456")
-    assert training.adapter is not None and training.adapter.name == adapter_name(run_dir)
+    assert training.adapter is not None
+    launch = training.adapter.name.rsplit("-", 1)[1]
+    assert training.adapter.name == adapter_name(run_dir, launch)
     val = local._validation_gateway(training, run_dir, "127.0.0.1").config
-    assert val.adapter is not None and val.adapter.name == f"{adapter_name(run_dir)}-val"
+    assert val.adapter is not None and val.adapter.name == f"{training.adapter.name}-val"
+    again = gateway_config_of(config, model_dir, ["http://r:1"], run_dir, "token-123456")
+    assert again.adapter is not None and again.adapter.name != training.adapter.name
     full = gateway_config_of(RunConfig(), model_dir, ["http://r:1"], run_dir, "token-123456")
     assert full.adapter is None
     assert local._validation_gateway(full, run_dir, "127.0.0.1").config.adapter is None
