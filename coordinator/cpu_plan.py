@@ -150,3 +150,36 @@ def plan_here(
         trainer_ranks=trainer_ranks,
         threads_per_rank=threads_per_rank,
     )
+
+
+def busy_cores(before: Sequence[int], after: Sequence[int], cores: int) -> float:
+    """How many cores were busy between two readings of /proc/stat's `cpu` line (its jiffies:
+    user nice system idle iowait irq softirq steal ...): the share of time not idle or waiting
+    on I/O, in cores."""
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(spent)
+    if total <= 0:
+        return 0.0
+    return cores * (total - spent[3] - spent[4]) / total
+
+
+def busy_cores_here(sample_s: float = 0.3) -> float:
+    """The cores this machine's processes keep busy now, over `sample_s` seconds (0 where
+    /proc/stat cannot be read)."""
+    import time
+
+    try:
+        before = _cpu_jiffies()
+        time.sleep(sample_s)
+        after = _cpu_jiffies()
+    except (OSError, ValueError):
+        return 0.0
+    return busy_cores(before, after, os.cpu_count() or 1)
+
+
+def _cpu_jiffies() -> list[int]:
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    if fields[0] != "cpu":
+        raise ValueError("/proc/stat does not start with the cpu line")
+    return [int(v) for v in fields[1:9]]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lockgate.coordinator.config import read_config_file
+from lockgate.coordinator.cpu_plan import busy_cores_here
 from lockgate.coordinator.errors import (
     ConfigError,
     Interrupted,
@@ -154,6 +155,25 @@ def _follow(proc: subprocess.Popen[bytes], log_path: Path, offset: int) -> int:
             time.sleep(0.2)
 
 
+# Other processes keeping this much of a core busy make spinning ranks wait on each other.
+_BUSY_CORES_TO_SLEEP = 0.5
+
+
+def _machine_is_free() -> bool:
+    """Whether the ranks' OpenMP threads may spin (trainer.py `thread_env`): only on cores
+    nothing else keeps busy. Spinning threads beside another busy process wait for a thread
+    the OS took off its core, and a run slows many times over (docs/performance.md)."""
+    busy = busy_cores_here()
+    if busy < _BUSY_CORES_TO_SLEEP:
+        return True
+    print(
+        f"lockgate sft: other processes keep {busy:.1f} cores busy, so the ranks' threads "
+        "sleep when idle instead of spinning",
+        file=sys.stderr,
+    )
+    return False
+
+
 def _run_ranks(config: SFTConfig, resume: bool) -> None:
     """Run the SFT ranks on the prepared OUT until they exit; `RunFailed` with the cause the
     ranks wrote (or their exit code) when they fail."""
@@ -163,13 +183,14 @@ def _run_ranks(config: SFTConfig, resume: bool) -> None:
     layout = config.layout
     layout.failed.unlink(missing_ok=True)
     offset = layout.log.stat().st_size if layout.log.exists() else 0
+    alone = _machine_is_free()
     proc = spawn_ranks(
         "lockgate.trainer.sft.main",
         ["--config", str(layout.config), *(["--resume"] if resume else [])],
         world_size=config.trainer.world_size,
         num_threads=config.trainer.num_threads,
         log_path=layout.log,
-        alone=True,
+        alone=alone,
     )
     try:
         code = _follow(proc, layout.log, offset)

@@ -91,3 +91,23 @@ def test_sfts_auto_threads_share_every_core_among_the_ranks(
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
     section = SFTTrainerSection.model_validate({"world_size": ranks, "num_threads": "auto"})
     assert section.num_threads == threads
+
+
+def test_busy_cores_are_the_share_of_time_neither_idle_nor_waiting_on_io() -> None:
+    from lockgate.coordinator.cpu_plan import busy_cores
+
+    # user nice system idle iowait irq softirq steal, in jiffies
+    before = [100, 0, 50, 1000, 10, 0, 0, 0]
+    half_busy = [150, 0, 100, 1090, 20, 0, 0, 0]  # 100 busy, 100 idle or iowait
+    assert busy_cores(before, half_busy, cores=2) == pytest.approx(1.0)
+    assert busy_cores(before, [100, 0, 50, 1200, 10, 0, 0, 0], cores=2) == 0.0
+    assert busy_cores(before, before, cores=2) == 0.0
+
+
+def test_sft_ranks_spin_only_on_a_free_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockgate.coordinator.launch import sft
+
+    monkeypatch.setattr(sft, "busy_cores_here", lambda: 0.1)
+    assert sft._machine_is_free()
+    monkeypatch.setattr(sft, "busy_cores_here", lambda: 1.6)
+    assert not sft._machine_is_free()
