@@ -86,19 +86,20 @@ class AdapterSyncController(SyncController):
                 )
             started = time.perf_counter()
             path = source.path
+            serving = self.pool.serving_clients(self.gate.version)
             loaded, failed = await self._load_everywhere(
                 lambda client: self.adapters.load(client, version, path), version
             )
             if not loaded:
-                for client in self.pool.clients:
-                    if client.url in failed:
-                        # A failed adapter load leaves the base model and the old adapter as
-                        # they were: the replica serves the old version still.
-                        self.pool.set_version(client, self.gate.version)
+                for client in serving:
+                    # A failed adapter load leaves the base model and the old adapter as
+                    # they were: a replica that served the old version still does.
+                    self.pool.set_version(client, self.gate.version)
                 raise GatewayError(
                     502,
                     f"no replica loaded version {version}; the gateway is still paused at "
-                    f"version {self.gate.version}, which every replica still holds: {failed}",
+                    f"version {self.gate.version}, which every replica serving it still holds: "
+                    f"{failed}",
                     type="upstream_error",
                     code="load_failed",
                 )

@@ -99,6 +99,9 @@ class Stack:
     async def admin(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         return await self.client.post(path, json=body or {}, headers=HEADERS)
 
+    async def gateway_status(self) -> dict[str, Any]:
+        return (await self.client.get("/admin/status", headers=HEADERS)).json()
+
     async def call(self) -> tuple[str, asyncio.Task[httpx.Response]]:
         s = (await self.admin("/admin/sessions", {"task_id": "t"})).json()
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": WORDS}
@@ -292,8 +295,11 @@ async def test_a_load_that_fails_on_one_replica_leaves_it_out_and_everywhere_kee
     body = {"version": 3, "transport": "adapter", "path": adapter_dir(tmp_path, "a3")}
     resp = await stack.admin("/admin/weights", body)
     assert resp.status_code == 502
-    assert "still paused at version 2, which every replica still holds" in resp.text
+    assert "still paused at version 2, which every replica serving it still holds" in resp.text
     assert (await stack.admin("/admin/resume", {"version": 2})).json()["state"] == "serving"
+    status = {r["url"]: r for r in (await stack.gateway_status())["replicas"]}
+    # The replica that had missed version 2 does not hold it now either: still out.
+    assert status[bad.url]["stale"] and not status[good.url]["stale"]
     sid, call = await stack.call()
     assert (await call).status_code == 200
     assert (await stack.record(sid))["replica"] == good.url
