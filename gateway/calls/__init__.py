@@ -9,6 +9,8 @@
 - `rendering.py`: chat <-> token ids through `renderers`, bridging the previous call's tokens
 - `tokenizer.py`: the Rust tokenizer in the shape `renderers` takes
 - `constraints.py`: `tool_choice` required / named, as xgrammar structural tags
+  (`forced_formats.py`: the formats constrained; `forced_budget.py`: fitted to `max_tokens`;
+  `forced_tags.py`: the tags lockgate writes itself)
 - `stops.py`: `stop` strings, watched by the gateway
 
 May import: replicas (generation across segments), store (the records) and the foundation.

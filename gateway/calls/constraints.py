@@ -2,7 +2,8 @@
 
 The model's own tool-call syntax is described by xgrammar's structural tags (the grammar engine
 vLLM uses for structured outputs), so the gateway writes no grammar of its own: it asks xgrammar
-for the tag of the chat format in use and passes it to vLLM as
+for the tag of the chat format in use (its own, or one lockgate builds from xgrammar's parts
+where xgrammar's does not write the format's syntax: forced_tags.py) and passes it to vLLM as
 `sampling_params.structured_outputs.structural_tag`.
 
 A constrained call's logprobs are those of the unconstrained model (vLLM reports them before the
@@ -25,7 +26,7 @@ from lockgate.gateway.calls.forced_budget import (
     most_tokens,
     plan_forced_budget,
 )
-from lockgate.gateway.calls.forced_formats import FORCED_FORMATS
+from lockgate.gateway.calls.forced_formats import FORCED_FORMATS, ForcedFormat
 from lockgate.gateway.errors import bad_request
 from lockgate.gateway.schema import NamedToolChoice, ToolSpec
 
@@ -46,8 +47,11 @@ def tool_call_constraint(
     special_tokens: Mapping[str, int] | None = None,
     max_tokens: int | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    earlier_calls: int = 0,
 ) -> dict[str, Any] | None:
-    """vLLM `structured_outputs` forcing a tool call, or None when nothing is forced.
+    """The sampling parameters forcing a tool call (vLLM's `structured_outputs`, and a
+    `logit_bias` keeping out stop tokens a call does not end on, where the format has them:
+    forced_formats.py), or None when nothing is forced.
 
     `reasoning`: "auto" lets the model think first (an optional <think> block), "disabled"
     makes the tool call the very first thing it writes. `special_tokens`: the tokenizer's
@@ -56,40 +60,31 @@ def tool_call_constraint(
     (forced_budget.py); a budget too small for any call is a 400. `encode`: the tokenizer's
     (no special tokens added); with it each call's head is held to the tokens it writes, and
     the budget counts those (forced_budget.py says why, and what the replicas need for it).
+    `earlier_calls`: the tool calls of the conversation so far, the index of this one where
+    the format numbers its calls (Kimi-K2).
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
-    if not tools:
-        raise bad_request(
-            "tool_choice requires 'tools': there is no tool to call", param="tool_choice"
-        )
-    forced = FORCED_FORMATS.get(renderer)
-    if forced is None:
-        raise bad_request(
-            f"tool_choice '{_describe(tool_choice)}' is not supported for the '{renderer}' "
-            f"chat format (constrained tool calls exist for: {', '.join(FORCED_FORMATS)})",
-            param="tool_choice",
-        )
-    choice: str | dict[str, Any] = "required"
-    if isinstance(tool_choice, NamedToolChoice):
-        name = tool_choice.function.name
-        if name not in {t.function.name for t in tools}:
-            raise bad_request(
-                f"tool_choice names '{name}', which is not among the tools", param="tool_choice"
-            )
-        choice = tool_choice.model_dump()
+    forced, choice, tools = _forced_choice(renderer, tools, tool_choice)
     # Imported here: xgrammar is a vLLM dependency, loaded only by calls that need it.
     import xgrammar
 
+    from lockgate.gateway.calls import forced_tags
+
+    forced_tags.register()
+
     def tag_for(reasoning: Reasoning) -> Any:
-        return xgrammar.get_model_structural_tag(
+        tag = xgrammar.get_model_structural_tag(
             forced.xgrammar,
             tools=[t.model_dump(exclude_none=True) for t in tools],
             tool_choice=choice,
             reasoning=forced.xgrammar_reasoning(reasoning),
-            parallel_tool_calls=parallel_tool_calls is not False and not forced.one_call_per_turn,
+            parallel_tool_calls=parallel_tool_calls is not False and not forced.one_call,
             max_whitespace_cnt=MAX_WHITESPACE,
         )
+        if forced.indexed:
+            tag.format = forced_tags.with_call_index(tag.format, earlier_calls)
+        return tag
 
     tag = tag_for(reasoning)
     special = dict(special_tokens or {})
@@ -114,7 +109,47 @@ def tool_call_constraint(
             tag = tag_for("disabled")  # no room to think: the call comes first
         tag.format = _within_budget(tag.format, forced.bounded(budget))
     tag.format = _as_special_tokens(tag.format, special, encode)
-    return {"structural_tag": json.dumps(tag.model_dump(mode="json", exclude_none=True))}
+    return _sampling(tag, forced, special)
+
+
+def _sampling(tag: Any, forced: ForcedFormat, special: Mapping[str, int]) -> dict[str, Any]:
+    """The tag as vLLM's `structured_outputs`, and the stops a call does not end on biased
+    away where the format has them."""
+    out: dict[str, Any] = {
+        "structured_outputs": {
+            "structural_tag": json.dumps(tag.model_dump(mode="json", exclude_none=True))
+        }
+    }
+    if banned := [special[t] for t in forced.other_stops if t in special]:
+        # vLLM's strongest bias; ids as strings, as JSON keys are.
+        out["logit_bias"] = {str(t): -100.0 for t in banned}
+    return out
+
+
+def _forced_choice(
+    renderer: str, tools: list[ToolSpec] | None, tool_choice: str | NamedToolChoice
+) -> tuple[ForcedFormat, str | dict[str, Any], list[ToolSpec]]:
+    """The format's forced-call rules, xgrammar's tool choice and the tools, or a 400 naming
+    what the request asks that cannot be forced."""
+    if not tools:
+        raise bad_request(
+            "tool_choice requires 'tools': there is no tool to call", param="tool_choice"
+        )
+    forced = FORCED_FORMATS.get(renderer)
+    if forced is None:
+        raise bad_request(
+            f"tool_choice '{_describe(tool_choice)}' is not supported for the '{renderer}' "
+            f"chat format (constrained tool calls exist for: {', '.join(FORCED_FORMATS)})",
+            param="tool_choice",
+        )
+    if not isinstance(tool_choice, NamedToolChoice):
+        return forced, "required", tools
+    name = tool_choice.function.name
+    if name not in {t.function.name for t in tools}:
+        raise bad_request(
+            f"tool_choice names '{name}', which is not among the tools", param="tool_choice"
+        )
+    return forced, tool_choice.model_dump(), tools
 
 
 def _calls_in(fmt: Any) -> list[tuple[str, tuple[str, Any, str]]]:

@@ -1,11 +1,12 @@
 """The chat formats whose forced tool calls are constrained, and what each writes around a call.
 
-A format is here only where xgrammar has a structural tag whose syntax is the one the format's
-`renderers` parser reads, token for token: a call written to another spelling would be one the
-model never learnt, or one the parser does not see. GLM-4.5 is not: it writes a newline between
-its think block and the call, and writes the (empty) block even with thinking off, and
-xgrammar's `glm_4_7` tag admits neither. A format not here answers a forced call with a 400
-naming it.
+A format is here only where a structural tag writes the call as the format's `renderers`
+renderer writes it, token for token: a call written to another spelling would be one the model
+never learnt, or one the parser does not see. The tag is xgrammar's own where it has one that
+does; where it has none, lockgate builds one from xgrammar's structural-tag parts
+(forced_tags.py). GLM-4.5 is not here yet: it writes a newline between its think block and the
+call, and writes the (empty) block even with thinking off, and xgrammar's `glm_4_7` tag admits
+neither. A format not here answers a forced call with a 400 naming it.
 
 The forced-call budget (forced_budget.py) reserves the fixed text a call is written with; the
 call's own opening and closing text comes from the tag, and what a format writes around its
@@ -21,18 +22,31 @@ from lockgate.gateway.calls.forced_budget import ForcedBudget
 
 # How the format reasons before a call: `optional` a whole <think> block the model may write
 # (Qwen3), `prompt_opened` a block the prompt has opened and the model must close before the
-# call (DeepSeek-R1 prefills `<think>\n`), `none` no reasoning (Llama 3).
+# call (DeepSeek-R1 prefills `<think>\n`; gpt-oss's prompt opens an analysis message), `none`
+# no reasoning (Llama 3).
 Reasoning = Literal["optional", "prompt_opened", "none"]
 
 
 @dataclass(frozen=True)
 class ForcedFormat:
-    xgrammar: str  # xgrammar's model key for the same tool-call syntax
+    # xgrammar's model key for the same tool-call syntax (`lockgate_*`: forced_tags.py's)
+    xgrammar: str
     reasoning: Reasoning
     # The tokens of the think block's own text the model writes: Qwen3's <think>, </think> and
-    # the blank line after it (a newline a token at most); DeepSeek-R1's </think> alone.
+    # the blank line after it (a newline a token at most); DeepSeek-R1's </think> alone;
+    # gpt-oss's <|end|> closing the analysis message.
     think_tokens: int
-    one_call_per_turn: bool  # the format's template writes one call per assistant turn
+    # A forced call is one call: the format's template writes one per assistant turn (Llama 3),
+    # a call ends the turn (gpt-oss), or each call's id carries its own index (Kimi-K2).
+    one_call: bool
+    # The call's id holds its index among the conversation's calls, which the gateway fixes
+    # (forced_tags.with_call_index): Kimi-K2's `functions.NAME:INDEX`.
+    indexed: bool = False
+    # Stop tokens other than the one a call ends on. A stop token ends the grammar wherever the
+    # grammar may end, whichever it is, so a format whose call ends on a stop token of its own
+    # (gpt-oss's <|call|>) has its other stops kept out of a forced call's answer
+    # (`logit_bias`); the model's end-of-text tokens are among them.
+    other_stops: tuple[str, ...] = ()
 
     def xgrammar_reasoning(self, asked: Literal["auto", "disabled"]) -> str:
         """xgrammar's reasoning mode for the gateway's `auto` or `disabled`: a block the prompt
@@ -64,7 +78,15 @@ class ForcedFormat:
 
 
 FORCED_FORMATS: Final[dict[str, ForcedFormat]] = {
-    "qwen3": ForcedFormat("qwen_3", "optional", 4, one_call_per_turn=False),
-    "llama-3": ForcedFormat("llama", "none", 0, one_call_per_turn=True),
-    "deepseek-r1": ForcedFormat("deepseek_r1", "prompt_opened", 1, one_call_per_turn=False),
+    "qwen3": ForcedFormat("qwen_3", "optional", 4, one_call=False),
+    "llama-3": ForcedFormat("llama", "none", 0, one_call=True),
+    "deepseek-r1": ForcedFormat("deepseek_r1", "prompt_opened", 1, one_call=False),
+    "gpt-oss": ForcedFormat(
+        "lockgate_harmony",
+        "prompt_opened",
+        1,
+        one_call=True,
+        other_stops=("<|return|>", "<|endoftext|>"),
+    ),
+    "kimi-k2": ForcedFormat("kimi", "none", 0, one_call=True, indexed=True),
 }

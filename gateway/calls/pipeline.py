@@ -156,9 +156,10 @@ class CallPipeline:
             special_tokens=self.renderer.special_tokens,
             max_tokens=sampling["max_tokens"],
             encode=self._encode_text,
+            earlier_calls=sum(len(m.tool_calls or ()) for m in req.messages),
         )
         if constraint is not None:
-            sampling["structured_outputs"] = constraint
+            sampling.update(constraint)
         call = self.new_call(session, raw, prompt, sampling, req.stop)
         return ChatCall(**call.__dict__, req=req)
 

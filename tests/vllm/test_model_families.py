@@ -40,8 +40,9 @@ pytestmark = pytest.mark.vllm
 
 ADMIN = "admin-token-for-family-tests"
 # Formats whose forced calls the gateway constrains (gateway/calls/forced_formats.py): those
-# xgrammar has a structural tag for in the format's own syntax.
-CONSTRAINED = {"qwen3", "llama-3", "deepseek-r1"}
+# with a structural tag (xgrammar's, or one lockgate builds from its parts) in the format's own
+# syntax.
+CONSTRAINED = {"qwen3", "llama-3", "deepseek-r1", "gpt-oss", "kimi-k2"}
 
 
 @dataclass(frozen=True)

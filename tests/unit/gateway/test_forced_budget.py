@@ -257,7 +257,9 @@ def _compiled(
 ) -> tuple[Any, Any, list[int]]:
     """The constraint compiled by xgrammar as vLLM does: its grammar, tokenizer info, stops."""
     compile_with, info = compiler or _replica_compiler(tok)
-    grammar = compile_with.compile_structural_tag(constraint["structural_tag"])
+    grammar = compile_with.compile_structural_tag(
+        constraint["structured_outputs"]["structural_tag"]
+    )
     stops = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     return grammar, info, stops
 
@@ -365,7 +367,7 @@ def test_the_bounded_grammar_admits_a_call_within_budget_and_nothing_past_it(tok
         return all(matcher.accept_token(t) for t in ids), matcher
 
     begin, end = BEGIN, END
-    tag = json.loads(constraint["structural_tag"])
+    tag = json.loads(constraint["structured_outputs"]["structural_tag"])
     pattern = next(n for n in _nodes(tag) if "pattern" in n)["pattern"]
     longest = int(pattern.split(",")[1].split("}")[0])  # the string's share: ASCII characters
     ok, matcher = accepts("<think>short</think>\n\n", begin, '{"city": "Paris"}', end)

@@ -9,6 +9,7 @@ import random
 from functools import cache
 from typing import Any
 
+import numpy as np
 import pytest
 import renderers
 from transformers import AutoTokenizer
@@ -18,6 +19,7 @@ from lockgate.gateway.calls.forced_formats import FORCED_FORMATS
 from lockgate.gateway.errors import GatewayError
 from lockgate.gateway.schema import NamedToolChoice, ToolSpec
 from lockgate.trainer.tiny_models.builder import ensure_tiny_model, family_spec
+from lockgate.trainer.tiny_models.harmony_vocab import require_o200k
 
 WEATHER = {
     "type": "function",
@@ -44,11 +46,15 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @cache
 def _format(name: str) -> tuple[Any, renderers.Renderer]:
+    if name == "gpt-oss":
+        require_o200k()  # harmony's vocabulary, from setup's copy
     tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model(spec=family_spec(name))))
     return tok, renderers.create_renderer(tok, renderers.config_from_name(name))
 
 
-def _constraint(name: str, choice: Any, max_tokens: int, reasoning: str) -> dict[str, Any]:
+def _constraint(
+    name: str, choice: Any, max_tokens: int, reasoning: str, earlier_calls: int = 0
+) -> dict[str, Any]:
     tok, _ = _format(name)
     out = tool_call_constraint(
         name,
@@ -58,39 +64,90 @@ def _constraint(name: str, choice: Any, max_tokens: int, reasoning: str) -> dict
         parallel_tool_calls=None,
         special_tokens=dict(tok.get_added_vocab()),
         max_tokens=max_tokens,
+        earlier_calls=earlier_calls,
     )
     assert out is not None
     return out
 
 
 def _matcher(name: str, constraint: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """A matcher of the constraint compiled as vLLM compiles it, its vocabulary, its stops."""
+    """A matcher of the constraint compiled as vLLM compiles it, its vocabulary, and the stop
+    tokens the sampler may pick (vLLM's stops: the format's and the model's end-of-text, less
+    those the constraint biases away)."""
     import xgrammar as xgr
 
     tok, renderer = _format(name)
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
-    grammar = xgr.GrammarCompiler(info, cache_enabled=False).compile_structural_tag(
-        constraint["structural_tag"]
-    )
-    stops = list(renderer.get_stop_token_ids())
-    return xgr.GrammarMatcher(grammar, override_stop_tokens=stops), info, stops
+    info = _tokenizer_info(name)
+    grammar = _compiled(name, constraint["structured_outputs"]["structural_tag"])
+    biased = _biased(constraint)
+    stops = {*renderer.get_stop_token_ids(), tok.eos_token_id, *biased} - {None}
+    matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=sorted(stops))
+    return matcher, info, sorted(stops - biased)
+
+
+@cache
+def _tokenizer_info(name: str) -> Any:
+    import xgrammar as xgr
+
+    tok, _ = _format(name)
+    return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+
+
+@cache
+def _compiled(name: str, structural_tag: str) -> Any:
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(_tokenizer_info(name), cache_enabled=False)
+    return compiler.compile_structural_tag(structural_tag)
+
+
+def _allowed(mask: Any, vocab_size: int, biased: set[int]) -> Any:
+    """The ids a token bitmask allows (bit i % 32 of word i // 32), less the biased ones."""
+    bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    bits[list(biased)] = 0
+    return np.flatnonzero(bits)
+
+
+@cache
+def _token_lengths(name: str) -> Any:
+    """Each token's length as the tokenizer spells it, by id."""
+    tok, _ = _format(name)
+    return np.array([len(t or "") for t in tok.convert_ids_to_tokens(list(range(len(tok))))])
+
+
+def _biased(constraint: dict[str, Any]) -> set[int]:
+    """The tokens the constraint's `logit_bias` keeps out (vLLM's strongest bias)."""
+    bias = constraint.get("logit_bias", {})
+    assert all(b == -100.0 for b in bias.values())
+    return {int(t) for t in bias}
 
 
 def _shortest_served(name: str, choice: Any) -> int:
-    with pytest.raises(GatewayError) as info:
-        _constraint(name, choice, 1, "auto")
-    return int(str(info.value).split("takes ")[1].split(" ")[0])
+    return _shortest_served_after(name, choice, 0)
 
 
 def _written_call(name: str) -> list[int]:
     """A call to get_weather as the format's renderer writes an assistant turn holding it (the
     turn's tokens after the prompt, through its closing token)."""
     _, renderer = _format(name)
-    call = {"type": "function", "id": "c1", "function": {"name": "get_weather"}}
+    call = {"type": "function", "id": CALL_IDS.get(name, "c1"), "function": {"name": "get_weather"}}
     call["function"]["arguments"] = {"city": "Paris", "unit": "C"}  # type: ignore[index]
     turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if name == "gpt-oss":
+        # Harmony's loss mask leaves out each message's header, which the model writes too
+        # after the analysis message: the call's message whole, from its <|start|>.
+        tok, _ = _format(name)
+        ids = renderer.render_ids([*ASK, turn], tools=[WEATHER, SEARCH])  # type: ignore[list-item]
+        start = tok.convert_tokens_to_ids("<|start|>")
+        return ids[len(ids) - 1 - ids[::-1].index(start) :]
     sample = renderers.build_training_sample(renderer, [*ASK, turn], tools=[WEATHER, SEARCH])  # type: ignore[list-item]
     return [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m]
+
+
+# A call's id where the format writes it: Kimi-K2 numbers a conversation's calls from 0.
+CALL_IDS = {"kimi-k2": "functions.get_weather:0"}
+# What the model writes to close the block its prompt opened, before the call.
+CLOSES_THE_OPEN_BLOCK = {"deepseek-r1": "</think>", "gpt-oss": "<|end|>"}
 
 
 # Llama 3's parser keeps only the text after the last <|end_header_id|> of a completion.
@@ -103,9 +160,9 @@ CONSTRAINED = sorted(set(FORCED_FORMATS) - {"qwen3"})  # Qwen3's: test_forced_bu
 def test_the_grammar_admits_the_call_as_the_format_writes_it(name: str, choice: Any) -> None:
     written = _written_call(name)
     prefix = []
-    if FORCED_FORMATS[name].reasoning == "prompt_opened":  # the model closes the open block
+    if FORCED_FORMATS[name].reasoning == "prompt_opened":
         tok, _ = _format(name)
-        prefix = tok.encode("</think>", add_special_tokens=False)
+        prefix = tok.encode(CLOSES_THE_OPEN_BLOCK[name], add_special_tokens=False)
     matcher, _, _ = _matcher(name, _constraint(name, choice, 96, "disabled"))
     for token in prefix + written[:-1]:
         assert matcher.accept_token(token), _format(name)[0].decode([token])
@@ -128,20 +185,20 @@ def test_any_path_closes_within_the_budget_as_a_call_the_parser_reads(
     rng = random.Random(42)
     for budget in (_shortest_served(name, choice), 96):
         constraint = _constraint(name, choice, budget, reasoning)
+        biased = _biased(constraint)
         for walk in range(10):
             matcher, info, stops = _matcher(name, constraint)
             mask = xgr.allocate_token_bitmask(1, info.vocab_size)
             ids: list[int] = []
             while not matcher.is_terminated() and len(ids) <= budget:
                 matcher.fill_next_token_bitmask(mask)
-                allowed = [
-                    i for i in range(info.vocab_size) if (int(mask[0, i // 32]) >> (i % 32)) & 1
-                ]
+                allowed = _allowed(mask, info.vocab_size, biased)
                 if walk % 2 and rng.random() < 0.8:
-                    text = [a for a in allowed if a not in stops] or allowed
-                    shortest = min(len(tok.convert_ids_to_tokens(a)) for a in text)
-                    allowed = [a for a in text if len(tok.convert_ids_to_tokens(a)) == shortest]
-                token = rng.choice(allowed)
+                    text = allowed[~np.isin(allowed, stops)]
+                    text = text if len(text) else allowed
+                    lengths = _token_lengths(name)[text]
+                    allowed = text[lengths == lengths.min()]
+                token = int(allowed[rng.randrange(len(allowed))])
                 assert matcher.accept_token(token)
                 ids.append(token)
             assert matcher.is_terminated() and len(ids) <= budget, (budget, tok.decode(ids))
@@ -154,9 +211,44 @@ def test_any_path_closes_within_the_budget_as_a_call_the_parser_reads(
                 assert names == ["get_weather"]
 
 
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_a_kimi_k2_call_carries_the_index_of_the_conversations_next_call(choice: Any) -> None:
+    """Kimi-K2 numbers a conversation's calls (`functions.NAME:INDEX`): the index is the count
+    of earlier calls, and no other, so the budget counts it exactly."""
+    tok, _ = _format("kimi-k2")
+    begin = tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>", add_special_tokens=False)
+    constraint = _constraint("kimi-k2", choice, 96, "auto", earlier_calls=3)
+    for index, admitted in (("3", True), ("0", False), ("31", False), ("3 ", False)):
+        matcher, _, _ = _matcher("kimi-k2", constraint)
+        ids = begin + tok.encode(
+            f"functions.get_weather:{index}<|tool_call_argument_begin|>", add_special_tokens=False
+        )
+        assert all(matcher.accept_token(t) for t in ids) is admitted, index
+    # The index's digits are reserved: a later call needs a token more at most.
+    assert _shortest_served("kimi-k2", choice) <= _shortest_served_after("kimi-k2", choice, 10)
+    assert _shortest_served_after("kimi-k2", choice, 10) <= _shortest_served("kimi-k2", choice) + 1
+
+
+def _shortest_served_after(name: str, choice: Any, earlier_calls: int) -> int:
+    with pytest.raises(GatewayError) as info:
+        _constraint(name, choice, 1, "auto", earlier_calls=earlier_calls)
+    return int(str(info.value).split("takes ")[1].split(" ")[0])
+
+
+def test_a_gpt_oss_call_ends_on_call_and_no_other_stop() -> None:
+    """The grammar cannot choose which stop token ends it, and harmony's parser reads a call
+    only when `<|call|>` closes it: the constraint keeps `<|return|>` and `<|endoftext|>` out."""
+    tok, _ = _format("gpt-oss")
+    constraint = _constraint("gpt-oss", "required", 96, "auto")
+    ids = {tok.convert_tokens_to_ids(t) for t in ("<|return|>", "<|endoftext|>")}
+    assert _biased(constraint) == ids
+    assert tok.convert_tokens_to_ids("<|call|>") not in _biased(constraint)
+    assert "logit_bias" not in _constraint("qwen3", "required", 96, "auto")
+
+
 def test_a_format_without_a_matching_tag_is_a_400_naming_it() -> None:
     with pytest.raises(GatewayError, match=r"not supported for the 'glm-4\.5' chat format") as e:
         tool_call_constraint(
             "glm-4.5", TOOLS, "required", reasoning="auto", parallel_tool_calls=None
         )
-    assert "qwen3, llama-3, deepseek-r1" in str(e.value)
+    assert "qwen3, llama-3, deepseek-r1, gpt-oss, kimi-k2" in str(e.value)
