@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from lockgate.gateway.client import GatewayClient
 from lockgate.gateway.config import AdapterServing, GatewayConfig
 from tests.support.mocked_gateway import mocked_gateway
 from tests.unit.gateway.test_sync_edges import _chunk
@@ -181,12 +182,16 @@ async def test_the_previous_adapter_is_unloaded_after_the_resume_not_before(
     stack: Stack, tmp_path: Path
 ) -> None:
     await stack.sync(1, adapter_dir(tmp_path, "a1"))
-    assert (await stack.admin("/admin/pause", {"mode": "abort"})).status_code == 200
-    body = {"version": 2, "transport": "adapter", "path": adapter_dir(tmp_path, "a2")}
-    assert (await stack.admin("/admin/weights", body)).status_code == 200
-    # Until the resume the old adapter may still be needed (a load that failed everywhere).
-    assert [sorted(r.adapters) for r in stack.replicas] == [["run@v1", "run@v2"]] * 2
-    await stack.admin("/admin/resume", {"version": 2})
+    # Through the coordinator's typed client this time.
+    transport = httpx.ASGITransport(app=stack.app)
+    async with GatewayClient("http://gw", ADMIN, transport=transport) as client:
+        await client.pause("abort")
+        report = await client.load_adapter(adapter_dir(tmp_path, "a2"), 2)
+        assert report.version == 2 and sorted(report.loaded) == [r.url for r in stack.replicas]
+        # Until the resume the old adapter may still be needed (a load that failed everywhere).
+        assert [sorted(r.adapters) for r in stack.replicas] == [["run@v1", "run@v2"]] * 2
+        status = await client.resume(2)
+        assert [r.adapter for r in status.replicas] == ["run@v2", "run@v2"]
     await stack.gateway.sync.unloads_done()
     assert [r.unloads for r in stack.replicas] == [["run@v1"], ["run@v1"]]
     assert [sorted(r.adapters) for r in stack.replicas] == [["run@v2"]] * 2
