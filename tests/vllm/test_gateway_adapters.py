@@ -256,3 +256,26 @@ async def test_a_sync_of_one_gateway_does_not_cut_the_calls_of_another_on_the_sa
         for url in urls:
             held = await _models(url)
             assert {"a@v2", "b@v1"} <= held and "a@v1" not in held, held
+
+
+async def test_a_replica_that_lost_the_adapter_gets_it_back_at_the_next_call(
+    gateway: Gw, adapters: dict[str, Path]
+) -> None:
+    await _adapter_sync(gateway, adapters["x"], 1)
+    sid, call = await _call(gateway, STORY.format(0), 32)
+    assert (await call).status_code == 200
+    ref = await _record(gateway, sid)
+    # As after a restart: the replica that served the session no longer holds the adapter.
+    await _replica(ref["replica"], "/v1/unload_lora_adapter", {"lora_name": "runa@v1"})
+    assert "runa@v1" not in await _models(ref["replica"])
+    # The session's next call goes to it (sticky), meets vLLM's 404, has it load the adapter
+    # again and is sent once more: the same answer, from the same replica, at version 1.
+    again = await gateway.client.post(
+        f"/sessions/{sid}/v1/chat/completions", json=_greedy(STORY.format(0), 32)
+    )
+    assert again.status_code == 200, again.text
+    (_, rec) = await gateway.calls(sid)
+    assert rec["replica"] == ref["replica"]
+    assert rec["completion_ids"] == ref["completion_ids"]
+    assert rec["versions"] == ref["versions"]
+    assert "runa@v1" in await _models(ref["replica"])
