@@ -96,10 +96,6 @@ def is_lora_name(name: str) -> bool:
     return name.endswith((_A, _B))
 
 
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 # -- the adapter dir ----------------------------------------------------------------------------
 
 

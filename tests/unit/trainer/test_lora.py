@@ -135,3 +135,16 @@ def test_the_three_paths_give_the_same_adapter_gradients(
     for name, grad in packed.items():
         assert float(grad.abs().sum()) > 0, name
         torch.testing.assert_close(grad, alone[name], atol=1e-6, rtol=1e-4)
+
+
+def test_dropout_acts_on_the_adapters_input_only_while_training(tiny_model_dir: Path) -> None:
+    spec = LoraSpec(rank=4, alpha=8, dropout=0.5)
+    model = trained_lora_model(tiny_model_dir, spec)
+    plain = trained_lora_model(tiny_model_dir, SPEC)  # the same A and B, no dropout
+    ids, lengths = _batch(model.config.vocab_size, [20])
+    with torch.no_grad():
+        evaluated = forward_logits(model.eval(), ids, lengths, pack=True)
+        reference = forward_logits(plain.eval(), ids, lengths, pack=True)
+        trained = forward_logits(model.train(), ids, lengths, pack=True)
+    assert torch.equal(evaluated, reference)
+    assert not torch.allclose(trained, evaluated, atol=1e-4)
