@@ -21,6 +21,7 @@ from lockgate.gateway.calls.forced_budget import (
     CallDoesNotFit,
     ForcedBudget,
     bound_strings,
+    glm_xml_arguments,
     head_tokens,
     held_head,
     most_tokens,
@@ -88,6 +89,7 @@ def tool_call_constraint(
 
     tag = tag_for(reasoning)
     special = dict(special_tokens or {})
+    strings: int | None = None
     if max_tokens is not None:
         calls = {_tool_named_in(begin, tools): spec for begin, spec in _calls_in(tag.format)}
         try:
@@ -102,13 +104,17 @@ def tool_call_constraint(
                 count_head=functools.partial(head_tokens, special=special, encode=encode)
                 if encode
                 else None,
+                arguments=glm_xml_arguments if forced.arguments == "glm_xml" else None,
             )
         except CallDoesNotFit as exc:
             raise bad_request(str(exc), param="max_tokens") from exc
         if budget.think_tokens is None and reasoning == "auto":
             tag = tag_for("disabled")  # no room to think: the call comes first
         tag.format = _within_budget(tag.format, forced.bounded(budget))
+        strings = budget.string_chars
     tag.format = _as_special_tokens(tag.format, special, encode)
+    if forced.arguments == "glm_xml":
+        tag.format = forced_tags.glm_xml_as_tokens(tag.format, special, strings)
     return _sampling(tag, forced, special)
 
 
@@ -191,7 +197,8 @@ def _within_budget(fmt: Any, budget: ForcedBudget) -> Any:
             content = content.model_copy(update={"max_tokens": budget.think_tokens})
         elif isinstance(content, st.JSONSchemaFormat):
             schema = content.json_schema
-            if budget.string_chars is not None:
+            # Other styles bound their strings themselves (forced_tags.glm_xml_as_tokens).
+            if budget.string_chars is not None and content.style == "json":
                 schema = bound_strings(schema, budget.string_chars)
             content = content.model_copy(
                 update={"json_schema": schema, "max_whitespace_cnt": budget.whitespace}

@@ -83,6 +83,7 @@ def plan_forced_budget(
     count_head: Callable[[str], int] | None = None,
     think_overhead: int = THINK_OVERHEAD_TOKENS,
     fixed: int = 0,
+    arguments: Callable[[Any], tuple[str, int]] | None = None,
 ) -> ForcedBudget:
     """The bounds for a forced call within `budget` tokens.
 
@@ -93,11 +94,14 @@ def plan_forced_budget(
     text counts by `count_head` (default: `count_tokens`), the rest by `count_tokens`.
     `think_overhead`: the tokens of the think block's own markers, written only with thinking;
     `fixed`: tokens the format writes before every call, thinking or not (a think block the
-    prompt opened is closed even when empty).
+    prompt opened is closed even when empty). `arguments`: the text of a schema's shortest
+    arguments and their whitespace positions as the format writes them (default: JSON,
+    `json_arguments`).
     """
     head = count_head or count_tokens
+    spell = arguments or json_arguments
     tool, floor, positions = max(
-        ((name, *_shortest_call(spec, head, count_tokens)) for name, spec in calls.items()),
+        ((name, *_shortest_call(spec, head, count_tokens, spell)) for name, spec in calls.items()),
         key=lambda t: t[1] + t[2] * whitespace,
     )
     floor += END_OF_TURN_TOKENS + fixed
@@ -188,14 +192,47 @@ def _shortest_call(
     spec: tuple[str, Mapping[str, Any], str],
     count_head: Callable[[str], int],
     count_tokens: Callable[[str], int],
+    arguments: Callable[[Any], tuple[str, int]],
 ) -> tuple[int, int]:
-    """Tokens of the call with its shortest arguments, and the JSON positions where the
-    grammar lets whitespace in (inside each bracket, either side of each colon and comma;
-    none around the whole value)."""
+    """Tokens of the call with its shortest arguments, and the positions where the grammar
+    lets whitespace in."""
     begin, schema, end = spec
-    args = json.dumps(shortest_instance(schema), separators=(",", ":"))
-    positions = sum(args.count(c) for c in "{}[]") + 2 * sum(args.count(c) for c in ":,")
+    args, positions = arguments(schema)
     return count_head(begin) + count_tokens(args) + count_tokens(end), positions
+
+
+def json_arguments(schema: Any) -> tuple[str, int]:
+    """The shortest arguments as compact JSON, and the positions where the grammar lets
+    whitespace in (inside each bracket, either side of each colon and comma; none around the
+    whole value)."""
+    args = json.dumps(shortest_instance(schema), separators=(",", ":"))
+    return args, _json_positions(args)
+
+
+def _json_positions(text: str) -> int:
+    return sum(text.count(c) for c in "{}[]") + 2 * sum(text.count(c) for c in ":,")
+
+
+def glm_xml_arguments(schema: Any) -> tuple[str, int]:
+    """The shortest arguments as GLM-4.5 writes them: a newline after the tool's name, then
+    `<arg_key>K</arg_key>`, a newline, `<arg_value>V</arg_value>` and a newline per argument,
+    V raw where the parameter's type is a string (`glm_raw`) and compact JSON otherwise, whose
+    whitespace positions are the only ones (the newlines are fixed)."""
+    instance = shortest_instance(schema)
+    props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    parts, positions = ["\n"], 0
+    for key, value in (instance if isinstance(instance, dict) else {}).items():
+        raw = glm_raw(props.get(key)) and isinstance(value, str)
+        text = value if raw else json.dumps(value, separators=(",", ":"))
+        positions += 0 if raw else _json_positions(text)
+        parts.append(f"<arg_key>{key}</arg_key>\n<arg_value>{text}</arg_value>\n")
+    return "".join(parts), positions
+
+
+def glm_raw(schema: Any) -> bool:
+    """Whether GLM-4.5's parser reads a parameter's value as raw text (its type a string,
+    alone) rather than as JSON."""
+    return isinstance(schema, dict) and schema.get("type") in ("string", ["string"])
 
 
 def most_tokens(text: str, special: Mapping[str, int]) -> int:

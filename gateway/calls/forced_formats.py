@@ -4,9 +4,7 @@ A format is here only where a structural tag writes the call as the format's `re
 renderer writes it, token for token: a call written to another spelling would be one the model
 never learnt, or one the parser does not see. The tag is xgrammar's own where it has one that
 does; where it has none, lockgate builds one from xgrammar's structural-tag parts
-(forced_tags.py). GLM-4.5 is not here yet: it writes a newline between its think block and the
-call, and writes the (empty) block even with thinking off, and xgrammar's `glm_4_7` tag admits
-neither. A format not here answers a forced call with a 400 naming it.
+(forced_tags.py). A format not here answers a forced call with a 400 naming it.
 
 The forced-call budget (forced_budget.py) reserves the fixed text a call is written with; the
 call's own opening and closing text comes from the tag, and what a format writes around its
@@ -22,9 +20,12 @@ from lockgate.gateway.calls.forced_budget import ForcedBudget
 
 # How the format reasons before a call: `optional` a whole <think> block the model may write
 # (Qwen3), `prompt_opened` a block the prompt has opened and the model must close before the
-# call (DeepSeek-R1 prefills `<think>\n`; gpt-oss's prompt opens an analysis message), `none`
-# no reasoning (Llama 3).
-Reasoning = Literal["optional", "prompt_opened", "none"]
+# call (DeepSeek-R1 prefills `<think>\n`; gpt-oss's prompt opens an analysis message), `always`
+# a whole block written before every call, empty when the model does not think (GLM-4.5),
+# `none` no reasoning (Llama 3).
+Reasoning = Literal["optional", "prompt_opened", "always", "none"]
+# Both write their block's markers before every call, thinking or not.
+WRITTEN_EVERY_CALL: Final = ("prompt_opened", "always")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class ForcedFormat:
     reasoning: Reasoning
     # The tokens of the think block's own text the model writes: Qwen3's <think>, </think> and
     # the blank line after it (a newline a token at most); DeepSeek-R1's </think> alone;
-    # gpt-oss's <|end|> closing the analysis message.
+    # gpt-oss's <|end|> closing the analysis message; GLM-4.5's <think>, </think> and the
+    # newlines either side.
     think_tokens: int
     # A forced call is one call: the format's template writes one per assistant turn (Llama 3),
     # a call ends the turn (gpt-oss), or each call's id carries its own index (Kimi-K2).
@@ -47,12 +49,15 @@ class ForcedFormat:
     # (gpt-oss's <|call|>) has its other stops kept out of a forced call's answer
     # (`logit_bias`); the model's end-of-text tokens are among them.
     other_stops: tuple[str, ...] = ()
+    # How the arguments are written: JSON, or GLM-4.5's <arg_key>/<arg_value> pairs
+    # (forced_tags.glm_xml_as_tokens).
+    arguments: Literal["json", "glm_xml"] = "json"
 
     def xgrammar_reasoning(self, asked: Literal["auto", "disabled"]) -> str:
         """xgrammar's reasoning mode for the gateway's `auto` or `disabled`: a block the prompt
         opened is always continued and closed (the parser reads all before </think> as
         reasoning), a format without reasoning has none."""
-        if self.reasoning == "prompt_opened":
+        if self.reasoning in WRITTEN_EVERY_CALL:
             return "enabled"
         return "disabled" if self.reasoning == "none" else asked
 
@@ -66,13 +71,14 @@ class ForcedFormat:
 
     @property
     def fixed(self) -> int:
-        """Think-block tokens written before every call (the close of a prompt-opened block)."""
-        return self.think_tokens if self.reasoning == "prompt_opened" else 0
+        """Think-block tokens written before every call (the close of a prompt-opened block, a
+        block always written)."""
+        return self.think_tokens if self.reasoning in WRITTEN_EVERY_CALL else 0
 
     def bounded(self, budget: ForcedBudget) -> ForcedBudget:
-        """A budget without thinking still bounds a prompt-opened block: to nothing but its
-        close, so the call comes first."""
-        if budget.think_tokens is None and self.reasoning == "prompt_opened":
+        """A budget without thinking still bounds a block written before every call: to
+        nothing but its markers, so the call comes first."""
+        if budget.think_tokens is None and self.reasoning in WRITTEN_EVERY_CALL:
             return replace(budget, think_tokens=0)
         return budget
 
@@ -89,4 +95,5 @@ FORCED_FORMATS: Final[dict[str, ForcedFormat]] = {
         other_stops=("<|return|>", "<|endoftext|>"),
     ),
     "kimi-k2": ForcedFormat("kimi", "none", 0, one_call=True, indexed=True),
+    "glm-4.5": ForcedFormat("lockgate_glm45", "always", 4, one_call=False, arguments="glm_xml"),
 }

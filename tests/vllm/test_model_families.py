@@ -42,7 +42,7 @@ ADMIN = "admin-token-for-family-tests"
 # Formats whose forced calls the gateway constrains (gateway/calls/forced_formats.py): those
 # with a structural tag (xgrammar's, or one lockgate builds from its parts) in the format's own
 # syntax.
-CONSTRAINED = {"qwen3", "llama-3", "deepseek-r1", "gpt-oss", "kimi-k2"}
+CONSTRAINED = {"qwen3", "llama-3", "deepseek-r1", "gpt-oss", "kimi-k2", "glm-4.5"}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,10 @@ WEATHER = {
         "name": "get_weather",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["C", "F"]},
+            },
             "required": ["city", "unit"],
         },
     },
@@ -140,6 +143,15 @@ def _written_call(name: str) -> list[int]:
         ids = renderer.render_ids([*ASK, turn], tools=[WEATHER, SEARCH])  # type: ignore[list-item]
         start = tok.convert_tokens_to_ids("<|start|>")
         return ids[len(ids) - 1 - ids[::-1].index(start) :]
+    if name == "glm-4.5":
+        # Its loss mask leaves out the newline the turn opens with, and its template closes a
+        # call's turn with no token of its own: the turn after the prompt, then the stop the
+        # model ends a call with (the tool's answer comes as an observation).
+        tok, _ = _format(name)
+        ids = renderer.render_ids([*ASK, turn], tools=[WEATHER, SEARCH])  # type: ignore[list-item]
+        prompt = renderer.render_ids(ASK, tools=[WEATHER, SEARCH], add_generation_prompt=True)  # type: ignore[arg-type]
+        assert ids[: len(prompt)] == prompt
+        return ids[len(prompt) :] + [tok.convert_tokens_to_ids("<|observation|>")]
     sample = renderers.build_training_sample(renderer, [*ASK, turn], tools=[WEATHER, SEARCH])  # type: ignore[list-item]
     return [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m]
 
@@ -235,6 +247,54 @@ def _shortest_served_after(name: str, choice: Any, earlier_calls: int) -> int:
     return int(str(info.value).split("takes ")[1].split(" ")[0])
 
 
+def test_a_glm_call_writes_its_argument_markers_as_their_tokens() -> None:
+    """xgrammar's `glm_xml` style would let `<arg_key>` be spelt `<`, `arg`, ...; the parser
+    finds markers by their tokens, so only the token is admitted."""
+    tok, _ = _format("glm-4.5")
+    head = tok.encode("\n<think></think>\n<tool_call>get_weather\n", add_special_tokens=False)
+    for token, admitted in (
+        (tok.convert_tokens_to_ids("<arg_key>"), True),
+        (tok.encode("<", add_special_tokens=False)[0], False),
+    ):
+        matcher, _, _ = _matcher("glm-4.5", _constraint("glm-4.5", NAMED, 96, "disabled"))
+        assert all(matcher.accept_token(t) for t in head)
+        assert matcher.accept_token(token) is admitted
+
+
+@pytest.mark.parametrize(
+    ("unit", "spelled"),
+    [
+        ({"type": "string", "enum": ["C"]}, "C"),
+        ({"enum": ["C"]}, '"C"'),
+        ({"type": "integer"}, "0"),
+    ],
+)
+def test_a_glm_value_is_raw_text_only_where_its_parser_reads_raw_text(
+    unit: dict[str, Any], spelled: str
+) -> None:
+    """GLM-4.5's parser reads a value raw where the parameter's type is a string and as JSON
+    otherwise (an untyped enum too, though its template writes a string raw): the grammar
+    writes what the parser reads, and the budget counts the same text."""
+    from lockgate.gateway.calls.forced_budget import glm_xml_arguments
+
+    schema = {"type": "object", "properties": {"unit": unit}, "required": ["unit"]}
+    tool = ToolSpec.model_validate(
+        {"type": "function", "function": {"name": "f", "parameters": schema}}
+    )
+    tok, renderer = _format("glm-4.5")
+    text = f"\n<arg_key>unit</arg_key>\n<arg_value>{spelled}</arg_value>\n"
+    assert glm_xml_arguments(schema) == (text, 0)
+    ids = tok.encode(f"\n<think></think>\n<tool_call>f{text}</tool_call>", add_special_tokens=False)
+    constraint = tool_call_constraint(
+        "glm-4.5", [tool], "required", reasoning="disabled", parallel_tool_calls=None,
+        special_tokens=dict(tok.get_added_vocab()), max_tokens=96,
+    )  # fmt: skip
+    matcher, _, _ = _matcher("glm-4.5", constraint)
+    assert all(matcher.accept_token(t) for t in ids)
+    parsed = renderer.parse_response(ids, tools=[tool.model_dump(exclude_none=True)])
+    assert [c.status for c in parsed.tool_calls] == ["ok"]
+
+
 def test_a_gpt_oss_call_ends_on_call_and_no_other_stop() -> None:
     """The grammar cannot choose which stop token ends it, and harmony's parser reads a call
     only when `<|call|>` closes it: the constraint keeps `<|return|>` and `<|endoftext|>` out."""
@@ -247,8 +307,8 @@ def test_a_gpt_oss_call_ends_on_call_and_no_other_stop() -> None:
 
 
 def test_a_format_without_a_matching_tag_is_a_400_naming_it() -> None:
-    with pytest.raises(GatewayError, match=r"not supported for the 'glm-4\.5' chat format") as e:
+    with pytest.raises(GatewayError, match=r"not supported for the 'default' chat format") as e:
         tool_call_constraint(
-            "glm-4.5", TOOLS, "required", reasoning="auto", parallel_tool_calls=None
+            "default", TOOLS, "required", reasoning="auto", parallel_tool_calls=None
         )
-    assert "qwen3, llama-3, deepseek-r1, gpt-oss, kimi-k2" in str(e.value)
+    assert "qwen3, llama-3, deepseek-r1, gpt-oss, kimi-k2, glm-4.5" in str(e.value)
