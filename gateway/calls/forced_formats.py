@@ -2,8 +2,9 @@
 
 A format is here only where a structural tag writes the call as the format's `renderers`
 renderer writes it, token for token: a call written to another spelling would be one the model
-never learnt, or one the parser does not see. The tag is xgrammar's own where it has one that
-does; where it has none, lockgate builds one from xgrammar's structural-tag parts
+never learnt, or one the parser does not see (where the two disagree, as GLM-4.5's do on an
+untyped enum, the tag writes what the parser reads). The tag is xgrammar's own where it has one
+that does; where it has none, lockgate builds one from xgrammar's structural-tag parts
 (forced_tags.py). A format not here answers a forced call with a 400 naming it.
 
 The forced-call budget (forced_budget.py) reserves the fixed text a call is written with; the
