@@ -115,3 +115,11 @@ def test_adapter_names_tell_runs_and_their_starts_apart(tmp_path: Path) -> None:
     odd = adapter_name(tmp_path / "my run@v1 (x)", "1f2e")
     assert odd.startswith("my-run-v1-x-") and "@" not in odd and " " not in odd
     assert adapter_name(tmp_path / "_hidden", "1f2e").startswith("hidden-")
+
+
+def test_the_lora_example_loads_as_a_lora_run_of_the_toy_task() -> None:
+    root = Path(__file__).resolve().parents[3]
+    config = load_run_config(root / "examples/lora/config.yaml", [])
+    assert config.model.lora is not None and config.model.lora.rank == 8
+    assert "lm_head" in config.model.lora.target_modules
+    assert config.environment.path == root / "examples/toy/env.py"
