@@ -30,7 +30,7 @@ from lockgate.gateway.calls.pipeline import CallPipeline
 from lockgate.gateway.calls.rendering import (
     ChatRenderer,
     PreviousTurn,
-    _to_renderer_message,
+    _renderer_messages,
     _tool_specs,
     token_array,
 )
@@ -379,7 +379,7 @@ def test_bridging_what_the_template_writes_equals_a_full_render(
     answer = data.draw(_assistant_answers(), label="answer")
     # The template's tokens for the answer: the render with it, past the prompt, to its end.
     whole = renderer._renderer.render_ids(
-        [_to_renderer_message(m) for m in [*first, ChatMessage.model_validate(answer)]],
+        _renderer_messages([*first, ChatMessage.model_validate(answer)]),
         tools=_tool_specs(tools),
         add_generation_prompt=False,
     )
