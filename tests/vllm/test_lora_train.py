@@ -101,6 +101,8 @@ def lora_run(fleet: str, tmp_path_factory: pytest.TempPathFactory, tiny_model_di
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     # The toy's own batch (4 groups of 8): fewer rollouts carry too little signal per step.
     groups = ("--set", "loop.groups_per_step=4", "--set", "loop.group_size=8")
+    # Greedy validation at the start and after step 6's sync (its own gateway and adapters).
+    groups += ("--set", "loop.val_every=6", "--set", "environment.args.num_val_tasks=4")
     print(_train(run_dir, fleet, LEARN_STEPS, env, *groups)[-3000:])
     assert processes_with_marker(marker) == []
     return run_dir
@@ -110,11 +112,13 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
 
 
-def _calls(run_dir: Path, since: float = 0.0) -> list[CallRecord]:
-    """Every call of the run's training sessions created at or after `since` (unix time)."""
-    with contextlib.closing(sqlite3.connect(RunDir(run_dir).store)) as db:
+def _calls(run_dir: Path, since: float = 0.0, store_path: Path | None = None) -> list[CallRecord]:
+    """Every call of the run's sessions (of its training store unless `store_path` says)
+    created at or after `since` (unix time)."""
+    path = store_path or RunDir(run_dir).store
+    with contextlib.closing(sqlite3.connect(path)) as db:
         ids = [r[0] for r in db.execute("SELECT id FROM sessions WHERE created_at >= ?", (since,))]
-    store = TrajectoryStore(RunDir(run_dir).store)
+    store = TrajectoryStore(path)
 
     async def read() -> list[CallRecord]:
         return [call for sid in ids for call in await store.get_calls(sid)]
@@ -193,6 +197,11 @@ def test_the_toy_task_learns_with_lora_syncing_adapters_at_replica_parity(
     calls = _calls(run_dir)
     versions = {span.version for call in calls for span in call.versions}
     assert versions <= set(range(steps + 1)) and {0, 1, steps - 1} <= versions, versions
+    # Each validation round sampled the adapter of the version it names, at parity.
+    assert [r["val/version"] for r in records if "val/version" in r] == [0, 6]
+    val_calls = _calls(run_dir, store_path=RunDir(run_dir).val_store)
+    assert {s.version for c in val_calls for s in c.versions} == {0, 6}
+    assert all(d < 1e-3 for _, d in _parity(run_dir, tiny_model_dir, val_calls).values())
     parity = _parity(run_dir, tiny_model_dir, calls)
     print("parity per version (tokens, mean |diff|):", parity)
     tokens = sum(n for n, _ in parity.values())
