@@ -91,7 +91,7 @@ def _train(run_dir: Path, fleet: str, steps: int, env: dict[str, str], *extra: s
     return result.stderr
 
 
-LEARN_STEPS = 12
+LEARN_STEPS = 16
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,8 @@ def lora_run(fleet: str, tmp_path_factory: pytest.TempPathFactory, tiny_model_di
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     # The toy's own batch (4 groups of 8): fewer rollouts carry too little signal per step.
     groups = ("--set", "loop.groups_per_step=4", "--set", "loop.group_size=8")
-    # Greedy validation at the start and after step 6's sync (its own gateway and adapters).
+    # Greedy validation at the start and after the syncs of steps 6 and 12 (its own gateway
+    # and adapters).
     groups += ("--set", "loop.val_every=6", "--set", "environment.args.num_val_tasks=4")
     print(_train(run_dir, fleet, LEARN_STEPS, env, *groups)[-3000:])
     assert processes_with_marker(marker) == []
@@ -198,9 +199,9 @@ def test_the_toy_task_learns_with_lora_syncing_adapters_at_replica_parity(
     versions = {span.version for call in calls for span in call.versions}
     assert versions <= set(range(steps + 1)) and {0, 1, steps - 1} <= versions, versions
     # Each validation round sampled the adapter of the version it names, at parity.
-    assert [r["val/version"] for r in records if "val/version" in r] == [0, 6]
+    assert [r["val/version"] for r in records if "val/version" in r] == [0, 6, 12]
     val_calls = _calls(run_dir, store_path=RunDir(run_dir).val_store)
-    assert {s.version for c in val_calls for s in c.versions} == {0, 6}
+    assert {s.version for c in val_calls for s in c.versions} == {0, 6, 12}
     assert all(d < 1e-3 for _, d in _parity(run_dir, tiny_model_dir, val_calls).values())
     parity = _parity(run_dir, tiny_model_dir, calls)
     print("parity per version (tokens, mean |diff|):", parity)
