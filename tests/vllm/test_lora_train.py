@@ -99,8 +99,10 @@ def lora_run(fleet: str, tmp_path_factory: pytest.TempPathFactory, tiny_model_di
     """One LoRA run of the toy task on the fleet, to its end; its run dir."""
     marker, env = marked_environment(LOCKGATE_CACHE=str(tiny_model_dir.parent))
     run_dir = tmp_path_factory.mktemp("lora") / "run"
-    # The toy's own batch (4 groups of 8): fewer rollouts carry too little signal per step.
-    groups = ("--set", "loop.groups_per_step=4", "--set", "loop.group_size=8")
+    # The toy's own batch (4 groups of 8 answers of 24 tokens): less carries too little signal
+    # per step for the reward to take off within the run.
+    groups = ("--set", "loop.groups_per_step=4", "--set", "loop.group_size=8",
+              "--set", "environment.args.max_tokens=24")  # fmt: skip
     # Greedy validation at the start and after the syncs of steps 6 and 12 (its own gateway
     # and adapters).
     groups += ("--set", "loop.val_every=6", "--set", "environment.args.num_val_tasks=4")
