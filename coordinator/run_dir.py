@@ -96,6 +96,12 @@ class RunDir:
         return self.path / f"{name}_config.json"
 
     @property
+    def base_adapter(self) -> Path:
+        """A LoRA run's zero adapter, under which its gateways serve version 0 (the base
+        model; trainer/lora.py `write_zero_adapter` says why)."""
+        return self.path / "base_adapter"
+
+    @property
     def gateway_config(self) -> Path:
         return self.gateway_config_of(GATEWAY)
 

@@ -89,7 +89,8 @@ class RequestLimits(BaseModel):
 class AdapterServing(BaseModel):
     """A run that trains a LoRA adapter on a fleet serving the base model, possibly shared with
     other runs: weight version v >= 1 is the adapter loaded on every replica under
-    `<name>@v<v>` and sent as the generate request's `model`; version 0 is the base model.
+    `<name>@v<v>` and sent as the generate request's `model`; version 0 is the base model (under
+    `<name>@v0` when initial_weights gives it a zero adapter).
     A sync loads adapters and never pauses or relabels a replica's engine (docs/gateway-api.md,
     "Adapter mode")."""
 
@@ -161,8 +162,9 @@ class GatewayConfig(BaseModel):
         default=None,
         description="HF snapshot the replicas serve at start (default: model_dir when "
         "initial_version is 0). A weight load that fails on every replica restores it. In "
-        "adapter mode: the adapter dir of initial_version (required when it is 1 or more), "
-        "loaded on every replica at start.",
+        "adapter mode: the adapter dir of initial_version (required when it is 1 or more; at "
+        "0 a zero adapter, so that every call names an adapter), loaded on every replica at "
+        "start.",
     )
     adapter: AdapterServing | None = Field(
         default=None,

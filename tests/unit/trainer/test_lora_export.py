@@ -21,6 +21,7 @@ from lockgate.trainer.lora import (
     is_adapter_dir,
     merge_adapter,
     write_adapter,
+    write_zero_adapter,
 )
 from lockgate.trainer.model import load_policy
 from tests.support.lora_models import trained_lora_model
@@ -130,3 +131,27 @@ def test_a_sharded_rank_publishes_only_the_adapters(tiny_model_dir: Path, tmp_pa
     assert {k.removeprefix("base_model.model.") for k in tensors} == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(tensors[f"base_model.model.{name}"], tensor)
+
+
+def test_the_zero_adapter_is_the_base_model_under_an_adapters_shapes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A LoRA run's version 0 on the replicas: built from the model's config alone."""
+    from lockgate.trainer.lora import apply_lora, read_adapter
+
+    out = write_zero_adapter(SPEC, tiny_model_dir, tmp_path / "base_adapter")
+    spec, base, tensors = read_adapter(out)
+    assert (spec.rank, spec.target_modules, base) == (
+        4,
+        SPEC.target_modules,
+        tiny_model_dir.resolve(),
+    )
+    adapted = load_policy(tiny_model_dir, CPU)
+    apply_lora(adapted, SPEC)
+    expected = {n: p.shape for n, p in adapted.named_parameters() if ".lora_" in n}
+    assert {n: t.shape for n, t in tensors.items()} == expected
+    assert all(not t.any() for t in tensors.values())
+    adapted.load_state_dict(tensors, strict=False)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(adapted(ids).logits, load_policy(tiny_model_dir, CPU)(ids).logits)
