@@ -124,9 +124,17 @@ def gateway_config_of(
 def _zero_adapter(lora: LoraSpec, model_dir: Path, run_dir: Path) -> str:
     """The run's zero adapter, its version 0 on the replicas: every call of a LoRA run names an
     adapter (trainer/lora.py `write_zero_adapter` says why)."""
-    from lockgate.trainer.lora import write_zero_adapter  # torch is slow to import
+    import json
 
-    return str(write_zero_adapter(lora, model_dir, RunDir(run_dir).base_adapter))
+    from lockgate.trainer.lora import ADAPTER_CONFIG, adapter_config, write_zero_adapter
+
+    out = RunDir(run_dir).base_adapter
+    # The training and validation gateways share it: written once per spec and model, so one
+    # gateway's replicas never find it half replaced by the other's start.
+    written = out / ADAPTER_CONFIG
+    if written.is_file() and json.loads(written.read_text()) == adapter_config(lora, model_dir):
+        return str(out)
+    return str(write_zero_adapter(lora, model_dir, out))
 
 
 def replica_launch_config_of(
