@@ -79,7 +79,7 @@ def forward_logits(
         pack = device.type == "cuda" or _ranks() > 1
     if not pack:
         shared = common_prefix(rows)
-        if len(rows) > 1 and shared >= MIN_SHARED_PREFIX:
+        if len(rows) > 1 and shared >= MIN_SHARED_PREFIX and not _has_sliding_window(model):
             per_sample = _after_shared_prefix(model, rows, shared)
         else:
             per_sample = [model(input_ids=row[None, :]).logits[0] for row in rows]
@@ -161,6 +161,15 @@ class _PrefixCache(DynamicCache):
             torch.cat([layer.keys, key_states], dim=-2),
             torch.cat([layer.values, value_states], dim=-2),
         )
+
+
+def _has_sliding_window(model: torch.nn.Module) -> bool:
+    """A sliding-window layer's KV cache keeps only the window's keys, so rows cannot attend
+    to a shared prefix through it: such a model runs each row whole."""
+    config = getattr(model, "config", None)
+    return getattr(config, "sliding_window", None) is not None and "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    )
 
 
 def _ranks() -> int:

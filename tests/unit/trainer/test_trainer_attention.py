@@ -129,14 +129,21 @@ def test_a_packed_forward_attends_per_sample(
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [{"sliding_window": 4}, {"softcap": 30.0}, {"dropout": 0.1}])
-def test_attention_the_kernels_do_not_implement_takes_sdpa(
-    monkeypatch: pytest.MonkeyPatch, variant: dict[str, Any]
+@pytest.mark.parametrize(
+    ("variant", "path"),
+    [({"softcap": 30.0}, "sdpa"), ({"dropout": 0.1}, "sdpa"), ({"sliding_window": 4}, "written")],
+)
+def test_attention_the_fused_kernels_do_not_implement_takes_another_path(
+    monkeypatch: pytest.MonkeyPatch, variant: dict[str, Any], path: str
 ) -> None:
     taken: list[str] = []
     monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: taken.append("sdpa"))
     kernel = attention.per_sample_sdpa
     monkeypatch.setattr(attention, "kernel_for", lambda device: taken.append("kernel") or kernel)
+    written = attention._per_sample_windowed
+    monkeypatch.setattr(
+        attention, "_per_sample_windowed", lambda *a: taken.append("written") or written(*a)
+    )
     q, k, v, cu = _qkv()
     rows = [t.transpose(0, 1)[None] for t in (q, k, v)]
     attention.packed_attention(
@@ -145,4 +152,62 @@ def test_attention_the_kernels_do_not_implement_takes_sdpa(
     attention.packed_attention(
         torch.nn.Module(), *rows, None, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
     )
-    assert taken == ["sdpa", "kernel"]
+    assert taken == [path, "kernel"]
+
+
+def _gpt_oss_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """transformers' own gpt-oss attention (eager, with its additive mask) on each sample."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(sinks)  # type: ignore[assignment]
+    module.num_key_value_groups = q.shape[1] // k.shape[1]  # type: ignore[assignment]
+    module.training = False
+    out = []
+    for a, b in zip(_bounds()[:-1], _bounds()[1:], strict=True):
+        n = b - a
+        allowed = attention.causal_allowed(n, n, window, q.device)
+        mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+        rows = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        out.append(eager_attention_forward(module, *rows, mask, scaling=16**-0.5)[0][0])
+    return torch.cat(out)
+
+
+def _bounds() -> list[int]:
+    return [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_sinks_and_a_window_are_gpt_osss_attention_packed_and_not(window: int | None) -> None:
+    q, k, v, cu = _qkv()
+    sinks = torch.tensor([2.0, -1.0, 0.5, 0.0])
+    want = _gpt_oss_reference(q, k, v, sinks, window)
+    rows = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    extra = {"s_aux": sinks, "sliding_window": window}
+    packed, _ = attention.packed_attention(
+        torch.nn.Module(), *rows, None, cu_seq_lens_q=cu, max_length_q=max(LENGTHS), **extra
+    )
+    torch.testing.assert_close(packed[0], want, rtol=1e-5, atol=1e-5)
+    # One sample alone, without a mask (causal alone holds) and with SDPA's boolean one.
+    n = LENGTHS[2]
+    a = _bounds()[2]
+    one = [t[a : a + n].transpose(0, 1)[None] for t in (q, k, v)]
+    alone, _ = attention.packed_attention(torch.nn.Module(), *one, None, **extra)
+    torch.testing.assert_close(alone[0], want[a : a + n], rtol=1e-5, atol=1e-5)
+    mask = attention.causal_allowed(n, n, window, q.device)[None, None]
+    masked, _ = attention.packed_attention(torch.nn.Module(), *one, mask, **extra)
+    torch.testing.assert_close(masked[0], want[a : a + n], rtol=1e-5, atol=1e-5)
+    # The sinks matter: without them the answer differs.
+    plain = _gpt_oss_reference(q, k, v, torch.full((4,), -1e9), window)
+    assert (plain - want).abs().max() > 1e-2
+
+
+def test_a_window_keeps_the_last_keys_it_names() -> None:
+    allowed = attention.causal_allowed(2, 5, 3, torch.device("cpu"))
+    # Queries at positions 3 and 4 of 5: each sees itself and the two keys before it.
+    assert allowed.tolist() == [
+        [False, True, True, True, False],
+        [False, False, True, True, True],
+    ]
