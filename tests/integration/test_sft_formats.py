@@ -18,7 +18,11 @@ from tests.integration.test_sft import CHATS, _lockgate_sft, _records, _write_js
 STEPS = 3
 # The token each format's final answer ends on (GLM-4.5's is added: its template leaves the
 # last turn unclosed).
-LAST = {"glm-4.5": "<|endoftext|>", "deepseek-r1": "<\uff5cend\u2581of\u2581sentence\uff5c>"}
+LAST = {
+    "glm-4.5": "<|endoftext|>",
+    "deepseek-r1": "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "gpt-oss": "<|return|>",
+}
 
 
 @pytest.mark.parametrize("family", sorted(LAST))

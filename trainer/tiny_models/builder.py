@@ -376,6 +376,8 @@ def _model_config(arch: Architecture, shape: dict[str, Any], **tokens: Any) -> A
         config = LlamaConfig(mlp_bias=False, **common, **shape)
     elif arch == "gemma3":
         config = _gemma3_config(common, shape)
+    elif arch == "gpt_oss":
+        config = _gpt_oss_config(common, shape)
     elif arch == "qwen2":
         config = Qwen2Config(use_sliding_window=False, **common, **shape)
     else:
@@ -401,8 +403,41 @@ def _gemma3_config(common: dict[str, Any], shape: dict[str, Any]) -> Any:
     )
 
 
+def _gpt_oss_config(common: dict[str, Any], shape: dict[str, Any]) -> Any:
+    """gpt-oss's own architecture in miniature: a mixture of 4 experts (2 per token) with
+    biases and the clamped SwiGLU, attention sinks, biased projections, a sliding-window layer
+    then a global one, and gpt-oss's yarn rope. vLLM's gpt_oss module fixes some of these
+    rather than reading them (sliding window on even layers, RMSNorm eps 1e-5, biases on), so
+    the config spells the same values out for the trainer's side."""
+    from transformers import GptOssConfig
+
+    theta = common.pop("rope_parameters")["rope_theta"]
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": shape["max_position_embeddings"] // 32,
+    }
+    common = {**common, "attention_bias": True, "rope_parameters": rope}
+    layers = shape["num_hidden_layers"]
+    return GptOssConfig(
+        **common,
+        **{**shape, "rms_norm_eps": 1e-5},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+    )
+
+
 _ARCHITECTURE_CLASSES: Final[dict[str, str]] = {
     "gemma3": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",

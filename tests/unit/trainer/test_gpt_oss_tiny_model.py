@@ -122,3 +122,33 @@ def test_the_model_is_built_only_with_the_vocabulary(
     err = capsys.readouterr().err
     assert err.startswith("lockgate: --format gpt-oss: the gpt-oss (harmony) format needs")
     assert "run scripts/setup.sh" in err and err.count("\n") == 1
+
+
+def test_the_trainers_forward_is_transformers_gpt_oss_forward() -> None:
+    """The tiny model is gpt-oss's own architecture, and the trainer's forward (packed, one row
+    at a time, rows sharing a long prefix) computes what transformers' eager gpt-oss does: its
+    attention sinks and its sliding window (128, exceeded here) included."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lockgate.trainer.model import forward_logits, load_policy, pad_batch
+
+    model_dir = ensure_tiny_model(spec=family_spec("gpt-oss"))
+    ours = load_policy(model_dir, torch.device("cpu")).eval()
+    assert type(ours).__name__ == "GptOssForCausalLM"
+    assert ours.config.layer_types == ["sliding_attention", "full_attention"]
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 199_000, (300,), generator=gen).tolist()
+    shares_prefix = first[:200] + torch.randint(0, 199_000, (60,), generator=gen).tolist()
+    rows = [first, first[:150], shares_prefix]
+    ids = pad_batch(rows, torch.long, torch.device("cpu"))
+    lengths = [len(r) for r in rows]
+    with torch.no_grad():
+        want = [reference(input_ids=torch.tensor([r])).logits[0] for r in rows]
+        for pack in (True, False):
+            got = forward_logits(ours, ids, lengths, pack=pack)
+            for i, n in enumerate(lengths):
+                torch.testing.assert_close(got[i, :n], want[i], rtol=1e-4, atol=1e-4)

@@ -30,7 +30,7 @@ ARCHITECTURES = {
     "deepseek-r1": "Qwen2ForCausalLM",
     "glm-4.5": "LlamaForCausalLM",
     "kimi-k2": "LlamaForCausalLM",
-    "gpt-oss": "LlamaForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "default": "Qwen2ForCausalLM",
 }
