@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockgate.gateway.vllm_ext import moe_experts
 from lockgate.gateway.vllm_ext.probe import read_probe
 from lockgate.gateway.vllm_ext.snapshot_file import Snapshot, StoredTensor, open_snapshot
 
@@ -92,9 +93,20 @@ class _Repack:
 
 
 @dataclass
+class _Experts:
+    """A stacked expert weight: stored [experts, in, out], served in the kernel's own layout
+    (moe_experts.py)."""
+
+    module: nn.Module
+    param: torch.Tensor
+    stored: StoredTensor
+
+
+@dataclass
 class _Plan:
     copies: list[_Copy]
     repacks: list[_Repack]
+    experts: list[_Experts] = field(default_factory=list)
 
 
 class _Shadow(nn.Module):
@@ -105,8 +117,10 @@ class _Shadow(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = getattr(layer, "bias", None)
-        if hasattr(layer, "_cpu_skip_gemm_dispatch"):
-            self._cpu_skip_gemm_dispatch = layer._cpu_skip_gemm_dispatch
+        # What the layer's method reads besides the weight (a router's ROCm-only flag included).
+        for flag in ("_cpu_skip_gemm_dispatch", "allow_rocm_bf16x3_router_gemm"):
+            if hasattr(layer, flag):
+                setattr(self, flag, getattr(layer, flag))
 
 
 # Files of a snapshot as (name, inode, size, mtime): a staging is for these files only.
@@ -147,9 +161,20 @@ def _rows(shards: list[StoredTensor]) -> tuple[int, ...]:
 
 def _group(model: nn.Module, snap: Snapshot) -> dict[str, _Source]:
     """Where each model parameter's value is stored: its checkpoint tensors (shards of a fused
-    layer in vLLM's order), or one tensor in the kernel layout named as the parameter."""
+    layer in vLLM's order), or one tensor in the kernel layout named as the parameter. A
+    checkpoint tensor that fits no parameter as named is tried under the model's renaming."""
     mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
     packed = {part: (fused, i) for fused, parts in mapping.items() for i, part in enumerate(parts)}
+    params = dict(model.named_parameters())
+
+    def key(name: str) -> tuple[str, int]:
+        module_name, _, leaf = name.rpartition(".")
+        parent, _, child = module_name.rpartition(".")
+        if child in packed:
+            fused, index = packed[child]
+            return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", index
+        return name, 0
+
     groups: dict[str, dict[int, StoredTensor]] = {}
     out: dict[str, _Source] = {}
     for name, stored in snap.tensors.items():
@@ -159,13 +184,10 @@ def _group(model: nn.Module, snap: Snapshot) -> dict[str, _Source]:
                 raise SnapshotMismatch(f"{name}: stored {stored.shape}, its parts' rows {rows}")
             out[name] = _Source([stored], rows, kn=True)
             continue
-        module_name, _, leaf = name.rpartition(".")
-        parent, _, child = module_name.rpartition(".")
-        index = 0
-        if child in packed:
-            fused, index = packed[child]
-            module_name = f"{parent}.{fused}" if parent else fused
-        groups.setdefault(f"{module_name}.{leaf}", {})[index] = stored
+        target, index = key(name)
+        if target not in params:
+            target, index = key(moe_experts.vllm_name(model, params, name))
+        groups.setdefault(target, {})[index] = stored
     for name, by_index in groups.items():
         if name in out:
             raise SnapshotMismatch(f"{name}: stored both transposed and as checkpoint tensors")
@@ -201,8 +223,20 @@ def plan_load(model: nn.Module, snap: Snapshot) -> _Plan:
         if any(s.dtype != param.dtype for s in source.shards):
             raise SnapshotMismatch(f"{name}: stored {source.shards[0].dtype}, model {param.dtype}")
         shape = source.shape
-        if _is_packed(module, param, leaf):
-            want = (module.output_size_per_partition, module.input_size_per_partition)
+        if leaf in moe_experts.EXPERT_WEIGHTS and moe_experts.cpu_experts(module) is not None:
+            if len(source.shards) != 1 or source.kn:
+                raise SnapshotMismatch(f"{name}: experts stored in {len(source.shards)} parts")
+            stored = source.shards[0]
+            why = moe_experts.check_experts(module, name, stored.shape, param.shape)
+            if why:
+                raise SnapshotMismatch(why)
+            plan.experts.append(_Experts(module, param, stored))
+        elif _is_packed(module, param, leaf):
+            # A router (GateLinear) is replicated: its sizes are its layer's.
+            want = (
+                getattr(module, "output_size_per_partition", None) or module.output_size,
+                getattr(module, "input_size_per_partition", None) or module.input_size,
+            )
             if getattr(module, "tp_size", 1) != 1 or shape != want:
                 raise SnapshotMismatch(f"{name}: stored {shape}, layer {want} (tp 1 only)")
             parts = getattr(module, "output_partition_sizes", None)
@@ -212,6 +246,9 @@ def plan_load(model: nn.Module, snap: Snapshot) -> _Plan:
         elif tuple(param.shape) == shape:
             handle = hasattr(module, "cpu_linear") and leaf == "weight"
             plan.copies.append(_Copy(param, source, module if handle else None))
+            if moe_experts.cpu_experts(module) is not None and leaf.endswith("_bias"):
+                for held in moe_experts.bias_targets(module, leaf)[1:]:
+                    plan.copies.append(_Copy(held, source, None))
         else:
             raise SnapshotMismatch(f"{name}: stored {shape}, model {tuple(param.shape)}")
     return plan
@@ -250,7 +287,10 @@ def _packs_from_kn(module: nn.Module, dtype: torch.dtype) -> bool:
         return False
     if current_platform.get_cpu_architecture() == CpuArchEnum.POWERPC:
         return False
-    n, k = module.output_size_per_partition, module.input_size_per_partition
+    n = getattr(module, "output_size_per_partition", None)
+    k = getattr(module, "input_size_per_partition", None)
+    if n is None or k is None:  # not a linear layer (gpt-oss's experts): loaded as stored
+        return False
     return not check_cpu_sgl_kernel(n, k, dtype)
 
 
@@ -421,6 +461,8 @@ def _staging_for(ext: SnapshotLoad, path: str) -> _Staging | str:
 
 
 def _apply_copies(plan: _Plan, snap: Snapshot) -> None:
+    for experts in plan.experts:
+        moe_experts.load_experts(experts.module, experts.param, snap.read(experts.stored))
     for copy in plan.copies:
         source = copy.source
         if source.kn:
