@@ -20,7 +20,6 @@ replica of the merged model."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -29,7 +28,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,11 +39,10 @@ import torch
 from lockgate.coordinator.launch.replicas import LocalReplicaSet, ReplicaLaunchConfig
 from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.schema import CallRecord
-from lockgate.gateway.store.trajectories import TrajectoryStore
-from lockgate.trainer.logprobs import sequence_logprobs
 from lockgate.trainer.lora import apply_lora, is_adapter_dir, read_adapter
 from lockgate.trainer.model import load_policy
 from tests.support.marked_processes import marked_environment, processes_with_marker
+from tests.support.run_records import mean_abs_diff, run_calls, tokens_by_version
 from tests.vllm.test_deploy_e2e import Service
 
 pytestmark = pytest.mark.vllm
@@ -115,34 +112,6 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
 
 
-def _calls(run_dir: Path, since: float = 0.0, store_path: Path | None = None) -> list[CallRecord]:
-    """Every call of the run's sessions (of its training store unless `store_path` says)
-    created at or after `since` (unix time)."""
-    path = store_path or RunDir(run_dir).store
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        ids = [r[0] for r in db.execute("SELECT id FROM sessions WHERE created_at >= ?", (since,))]
-    store = TrajectoryStore(path)
-
-    async def read() -> list[CallRecord]:
-        return [call for sid in ids for call in await store.get_calls(sid)]
-
-    try:
-        return asyncio.run(read())
-    finally:
-        store.close()
-
-
-def _by_version(calls: list[CallRecord]) -> dict[int, list[tuple[list[int], int, float]]]:
-    """version -> (sequence up to and with the token, its position, the recorded logprob)."""
-    out: dict[int, list[tuple[list[int], int, float]]] = defaultdict(list)
-    for call in calls:
-        seq = call.prompt_ids + call.completion_ids
-        for span in call.versions:
-            for i in range(span.start, span.end):
-                out[span.version].append((seq, len(call.prompt_ids) + i, call.logprobs[i]))
-    return out
-
-
 def _policy(model_dir: Path, adapter: Path | None) -> torch.nn.Module:
     """The trainer's model: the base, with the adapter in `adapter` applied (None: none)."""
     if adapter is None:
@@ -156,13 +125,6 @@ def _policy(model_dir: Path, adapter: Path | None) -> torch.nn.Module:
     return model.eval()
 
 
-def _mean_abs_diff(model: torch.nn.Module, tokens: list[tuple[list[int], int, float]]) -> float:
-    seqs = {tuple(seq): None for seq, _, _ in tokens}
-    computed = dict(zip(seqs, sequence_logprobs(model, [list(s) for s in seqs], torch.device("cpu")), strict=True))  # fmt: skip
-    diffs = [abs(computed[tuple(seq)][pos] - lp) for seq, pos, lp in tokens]
-    return sum(diffs) / len(diffs)
-
-
 def _parity(
     run_dir: Path, model_dir: Path, calls: list[CallRecord], adapters_of: Path | None = None
 ) -> dict[int, tuple[int, float]]:
@@ -171,9 +133,9 @@ def _parity(
     version."""
     weights = RunDir(adapters_of or run_dir)
     out = {}
-    for version, tokens in sorted(_by_version(calls).items()):
+    for version, tokens in sorted(tokens_by_version(calls).items()):
         adapter = weights.snapshot(version) if version > 0 else None
-        out[version] = (len(tokens), _mean_abs_diff(_policy(model_dir, adapter), tokens))
+        out[version] = (len(tokens), mean_abs_diff(_policy(model_dir, adapter), tokens))
     return out
 
 
@@ -197,12 +159,12 @@ def test_the_toy_task_learns_with_lora_syncing_adapters_at_replica_parity(
     print(f"\nLoRA toy run: reward {first:.3f} (first 4 steps) -> {last:.3f} (last 4): {rewards}")
     assert last > first + 0.05, rewards
 
-    calls = _calls(run_dir)
+    calls = run_calls(run_dir)
     versions = {span.version for call in calls for span in call.versions}
     assert versions <= set(range(steps + 1)) and {0, 1, steps - 1} <= versions, versions
     # Each validation round sampled the adapter of the version it names, at parity.
     assert [r["val/version"] for r in records if "val/version" in r] == [0, 6, 12]
-    val_calls = _calls(run_dir, store_path=RunDir(run_dir).val_store)
+    val_calls = run_calls(run_dir, store_path=RunDir(run_dir).val_store)
     assert {s.version for c in val_calls for s in c.versions} == {0, 6, 12}
     assert all(d < 1e-3 for _, d in _parity(run_dir, tiny_model_dir, val_calls).values())
     parity = _parity(run_dir, tiny_model_dir, calls)
@@ -211,8 +173,8 @@ def test_the_toy_task_learns_with_lora_syncing_adapters_at_replica_parity(
     mean = sum(n * d for n, d in parity.values()) / tokens
     assert tokens > 300 and mean < 1e-3, parity
     # The adapters changed what was sampled: the base model is far from the late tokens.
-    late = {v: t for v, t in _by_version(calls).items() if v >= steps - 2}
-    to_base = _mean_abs_diff(_policy(tiny_model_dir, None), [t for ts in late.values() for t in ts])
+    late = {v: t for v, t in tokens_by_version(calls).items() if v >= steps - 2}
+    to_base = mean_abs_diff(_policy(tiny_model_dir, None), [t for ts in late.values() for t in ts])
     print(f"late tokens against the base model: mean |diff| {to_base:.2e}")
     assert to_base > 10 * max(d for v, (_, d) in parity.items() if v >= steps - 2)
 
@@ -243,7 +205,7 @@ def test_two_runs_share_one_fleet_each_with_its_own_adapters(
     names = [_adapter_name(run_dir) for run_dir in runs]
     assert names[0] != names[1], names
     for run_dir, other in (runs, runs[::-1]):
-        calls = _calls(run_dir)
+        calls = run_calls(run_dir)
         own = _parity(run_dir, tiny_model_dir, calls)
         print(f"{run_dir.name}: parity against its own adapters {own}")
         assert all(d < 1e-3 for _, d in own.values()), own
@@ -320,7 +282,7 @@ def test_a_killed_lora_run_resumes_from_its_adapter_checkpoint(
     assert all(torch.equal(again[k], published[k]) for k in published)
     # The replicas served the resumed adapter before any call of the resumed run: none of its
     # tokens is the base model's (version 0) or the killed run's later ones, and they fit.
-    calls = _calls(run_dir, since=resumed_at)
+    calls = run_calls(run_dir, since=resumed_at)
     versions = {span.version for call in calls for span in call.versions}
     assert calls and min(versions) == 2, versions
     parity = _parity(run_dir, tiny_model_dir, calls)
