@@ -136,3 +136,24 @@ def test_build_model_lists_the_families_and_builds_one_by_name(
     err = capsys.readouterr().err
     assert err.startswith("lockgate: --format: no tiny model in format 'llama3'; choose one of:")
     assert err.count("\n") == 1
+
+
+def test_rows_sharing_a_prefix_longer_than_gemma3s_window_run_whole() -> None:
+    """Gemma 3's sliding layers keep only their window in a KV cache, so rows sharing a
+    700-token prefix cannot attend to it through a shared cache (that path crashed): each row
+    runs whole and gets what it gets alone."""
+    import torch
+
+    from lockgate.trainer.model import forward_logits, load_policy, pad_batch
+
+    model = load_policy(ensure_tiny_model(spec=family_spec("gemma3")), torch.device("cpu")).eval()
+    assert model.config.sliding_window < 700
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 1000, (760,), generator=gen).tolist()
+    rows = [first, first[:700] + torch.randint(0, 1000, (40,), generator=gen).tolist()]
+    ids = pad_batch(rows, torch.long, torch.device("cpu"))
+    with torch.no_grad():
+        got = forward_logits(model, ids, [len(r) for r in rows], pack=False)
+        for i, row in enumerate(rows):
+            alone = model(input_ids=torch.tensor([row])).logits[0]
+            torch.testing.assert_close(got[i, : len(row)], alone, rtol=1e-4, atol=1e-4)
