@@ -231,11 +231,11 @@ def packed_attention(
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
         out = kernel_for(q.device)(q, k, v, cu_seq_lens_q, max_length_q, scale)
         return out[None], None
-    if sinks is not None and not kwargs.get("dropout"):
+    if sinks is not None and not kwargs.get("dropout") and kwargs.get("softcap") is None:
         out = _masked_sink_attention(query, key, value, attention_mask, scale, window, sinks)
         return out, None
-    if sinks is not None:
-        raise NotImplementedError("attention sinks with attention dropout")
+    if sinks is not None:  # no model has these together; SDPA would drop the sinks silently
+        raise NotImplementedError("attention sinks with attention dropout or a soft cap")
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, **kwargs
     )
