@@ -159,13 +159,12 @@ def _rows(shards: list[StoredTensor]) -> tuple[int, ...]:
     return (sum(s.shape[0] for s in shards), *first[1:])
 
 
-def _group(model: nn.Module, snap: Snapshot) -> dict[str, _Source]:
+def _group(model: nn.Module, params: dict[str, Any], snap: Snapshot) -> dict[str, _Source]:
     """Where each model parameter's value is stored: its checkpoint tensors (shards of a fused
     layer in vLLM's order), or one tensor in the kernel layout named as the parameter. A
     checkpoint tensor that fits no parameter as named is tried under the model's renaming."""
     mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
     packed = {part: (fused, i) for fused, parts in mapping.items() for i, part in enumerate(parts)}
-    params = dict(model.named_parameters())
 
     def key(name: str) -> tuple[str, int]:
         module_name, _, leaf = name.rpartition(".")
@@ -208,7 +207,7 @@ def plan_load(model: nn.Module, snap: Snapshot) -> _Plan:
         # A reload_weights that failed part way leaves layers on the meta device with its
         # loaders wrapped around them; only reload_weights can finish that.
         raise SnapshotMismatch("the model is mid-way through a failed reload_weights")
-    groups = _group(model, snap)
+    groups = _group(model, params, snap)
     unknown = sorted(set(groups) - set(params))
     if unknown:
         raise SnapshotMismatch(f"{len(unknown)} stored tensors fit no parameter, e.g. {unknown[0]}")
@@ -289,7 +288,7 @@ def _packs_from_kn(module: nn.Module, dtype: torch.dtype) -> bool:
         return False
     n = getattr(module, "output_size_per_partition", None)
     k = getattr(module, "input_size_per_partition", None)
-    if n is None or k is None:  # not a linear layer (gpt-oss's experts): loaded as stored
+    if n is None or k is None:  # a replicated router (GateLinear): given as [out, in]
         return False
     return not check_cpu_sgl_kernel(n, k, dtype)
 

