@@ -634,8 +634,13 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
         validation = (
             None if val_gateway is None or val_tasks is None else (val_gateway.url, val_tasks)
         )
-        summary = asyncio.run(
-            _run_loop(config, env, parts, run_dir, sinks, validation, state, rewards)
-        )
+        try:
+            summary = asyncio.run(
+                _run_loop(config, env, parts, run_dir, sinks, validation, state, rewards)
+            )
+        finally:
+            # Frozen objects are never collected, not even at exit: triton's bindings (which
+            # transformers' imports load) then report hundreds of leaks as the last screen.
+            gc.unfreeze()
         _say(f"run finished; {_stopping_what(config, external)}")
     return summary

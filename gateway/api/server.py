@@ -70,4 +70,9 @@ def serve(
         threading.Thread(
             target=_when_started, args=(server, on_ready), name="on-ready", daemon=True
         ).start()
-    server.run()
+    try:
+        server.run()
+    finally:
+        # Frozen objects are never collected, not even at exit, where triton's bindings (loaded
+        # by transformers' imports) would then report each of theirs as leaked.
+        gc.unfreeze()

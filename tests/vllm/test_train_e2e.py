@@ -65,3 +65,37 @@ def test_a_short_training_run_completes_syncs_and_leaves_no_process(
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     logged = {row["trainer/step"]: row["reward/mean"] for row in wandb_history(wandb_run)}
     assert logged == pytest.approx(rewards)
+
+
+def test_the_main_job_ends_with_its_summary_and_no_leak_report(tmp_path: Path) -> None:
+    """From a cold model cache, as on a fresh clone: `lockgate train` builds the tiny model in
+    its own process, which loads triton (through transformers), whose bindings reported ~500
+    leaks at exit while the loop's frozen objects outlived the interpreter."""
+    env = {**os.environ, "LOCKGATE_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "lockgate.coordinator.cli", "train", str(ROOT / "examples/toy/config.yaml"),
+            "--run-dir", str(tmp_path / "run"),
+            "--set", "loop.steps=2", "--set", "loop.val_every=0", "--set", "replicas.count=1",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    output = result.stdout
+    assert result.returncode == 0, output[-3000:]
+    probe_env = {**env, "LOCKGATE_CACHE": str(tmp_path / "probe-cache")}
+    assert "triton" in _modules_loaded_by_a_build(probe_env), "the build no longer loads triton"
+    assert "leaked" not in output, output[-3000:]
+    assert output.rstrip().splitlines()[-1].startswith("mean reward: first steps"), output[-1000:]
+
+
+def _modules_loaded_by_a_build(env: dict[str, str]) -> set[str]:
+    """The top-level modules loaded by building the tiny model into an empty cache, as
+    `lockgate train` does on a fresh clone."""
+    probe = (
+        "import sys; from lockgate.trainer.tiny_models.builder import ensure_tiny_model; "
+        "ensure_tiny_model(); print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True
+    )
+    return set(done.stdout.split())
