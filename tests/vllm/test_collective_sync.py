@@ -21,6 +21,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lockgate.coordinator.launch.processes import free_port
+from lockgate.coordinator.run_dir import RunDir
 from lockgate.gateway.schema import CollectiveWeights, DiskWeights, LoadReport
 from lockgate.trainer.export import snapshot_image
 from lockgate.trainer.protocol import CollectiveGroup, ExportLayout, SendWeights
@@ -157,5 +158,6 @@ def test_lockgate_train_syncs_the_toy_run_over_the_collective_transport(tmp_path
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["version"] == 2 and records[-1]["count/syncs"] == 2
-    assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
+    assert (run_dir / "trainer").is_dir()  # where a disk sync's snapshots would be
+    assert not list(RunDir(run_dir).snapshots.glob("step_*/*.safetensors"))
     assert processes_with_marker(marker) == []

@@ -1,6 +1,8 @@
 """`lockgate train --resume`: SIGKILL a real run's coordinator mid-way (its gateway and trainer
 ranks must go by themselves), resume it, and check it ends at the configured step with every
-task trained once and contiguous metrics.
+task trained once and contiguous metrics, and that the replica served the checkpoint's weights
+from the resume on. Both weights transports: disk (the resumed step's snapshot) and collective
+(the replica's worker still holds the killed run's group; the resumed trainer forms a new one).
 
 One replica is started here and given to both runs by URL, so the test pays for one vLLM
 start, not two; the coordinator, gateway and trainer ranks are killed and started again.
@@ -70,8 +72,9 @@ def _steps_logged(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.parametrize("transport", ["disk", "collective"])
 def test_a_killed_run_resumes_to_the_configured_step_without_repeating_or_skipping_tasks(
-    tmp_path: Path, tiny_model_dir: Path, replica: str
+    tmp_path: Path, tiny_model_dir: Path, replica: str, transport: str
 ) -> None:
     key, value = "LOCKGATE_TEST_RUN", uuid.uuid4().hex
     marker = f"{key}={value}"
@@ -84,7 +87,7 @@ def test_a_killed_run_resumes_to_the_configured_step_without_repeating_or_skippi
             "--set", f"loop.steps={STEPS}", "--set", "loop.groups_per_step=2",
             "--set", "loop.group_size=3", "--set", "loop.val_every=0",
             "--set", "environment.args.max_tokens=12", "--set", f"replicas.urls=[{replica}]",
-            "--set", "trainer.checkpoint_every=2",
+            "--set", "trainer.checkpoint_every=2", "--set", f"sync.transport={transport}",
         ],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
@@ -112,6 +115,19 @@ def test_a_killed_run_resumes_to_the_configured_step_without_repeating_or_skippi
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # contiguous, no repeats
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
     assert records[-1]["version"] == STEPS
+    # The first step after the resume trains on rollouts of the restored weights alone (no
+    # other version was served since): the trainer, holding those same weights, must score
+    # them as the replica did. Stale weights in the replica (the killed run's newer version,
+    # one step of training away) put this KL near 0.01, as any step's one-version lag does.
+    resumed = int(second.stderr.split("resuming after step ")[1].split(":")[0])
+    first_resumed = records[resumed]
+    print(f"mismatch KL by step: {[r['train/mismatch_kl'] for r in records]}, resumed at {resumed}")
+    assert first_resumed["staleness/max"] == 0, first_resumed
+    assert first_resumed["train/mismatch_kl"] < 1e-5, first_resumed
+    assert any(r["train/mismatch_kl"] > 1e-4 for r in records if r["staleness/max"] > 0)
+    if transport == "collective":
+        assert "weights: collective, gloo group at" in second.stderr
+        assert not list(RunDir(run_dir).snapshots.glob("step_*/*.safetensors"))
     # The last step, committed just before STOP, is checkpointed on the way out.
     latest = latest_checkpoint(run_dir / "trainer" / "checkpoints")
     assert latest is not None and latest[0] == STEPS
