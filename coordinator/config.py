@@ -231,13 +231,15 @@ class CollectiveSection(BaseModel):
         min_length=1,
         description="The address of the trainer's host (rank 0 hosts the group's store there) "
         "as the replicas reach it: this machine's loopback suits replicas started here; "
-        "replicas on other hosts need the trainer host's own address.",
+        "replicas on other hosts need the trainer host's own address. Under launcher: ray "
+        "it is rank 0's node, wherever Ray places it.",
     )
     port: int = Field(
         default=0,
         ge=0,
         le=65535,
-        description="The group's store port on the trainer's host; 0: a free one at launch.",
+        description="The group's store port on the trainer's host; 0: a free one at launch "
+        "(under launcher: ray, one free on rank 0's node).",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto",
@@ -723,11 +725,6 @@ class RunConfig(BaseModel):
                     f"{' and '.join(given)} name parts started elsewhere (use launcher: local)"
                 )
             _ray_assigns_gpus(self)
-            if self.sync.transport == "collective":
-                raise ValueError(
-                    "sync.transport: collective runs with launcher: local for now (its group "
-                    "meets at the trainer's host, which Ray places); use the disk transport"
-                )
         return self
 
 

@@ -360,6 +360,10 @@ class NcclWeights(BaseModel):
     )
 
 
+# A weights group's id goes into its store keys (trainer/protocol.py spells it out too).
+GROUP_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
 class CollectiveWeights(BaseModel):
     """Weights streamed by trainer rank 0 over a torch.distributed group every replica's
     worker joins (sync/weights.py `CollectiveTransport`); the trainer's own declaration of the
@@ -375,6 +379,13 @@ class CollectiveWeights(BaseModel):
     backend: Literal["gloo", "nccl"]
     timeout_s: float = Field(
         gt=0, description="Every step of the transfer (joining, each message) fails after this."
+    )
+    group_id: str = Field(
+        default="0",
+        pattern=GROUP_ID_PATTERN,
+        description="Names one forming of the group: a new id has every member join afresh "
+        "(the coordinator names one at a run's first sync, after a failed one and when the "
+        "gateway's replicas change, since a formed group takes no new member).",
     )
 
 

@@ -43,6 +43,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 READY = "ready"
+# A weights group's id goes into its store keys (gateway/schema.py spells it out too).
+GROUP_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 STOP = "STOP"
 COMMITTED = "committed"
 FAILED = "failed"
@@ -115,6 +117,8 @@ class CollectiveGroup(BaseModel):
     world_size: int = Field(ge=2)
     backend: Literal["gloo", "nccl"]
     timeout_s: float = Field(gt=0)
+    # One forming of the group: a new id has every member join afresh (gateway/schema.py).
+    group_id: str = Field(default="0", pattern=GROUP_ID_PATTERN)
 
 
 class SendWeights(BaseModel):

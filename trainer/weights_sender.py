@@ -10,15 +10,18 @@ the send overlaps the next step's training (the two newest images are kept: `hol
 The group: rank 0 is this rank, which hosts the group's TCP store at the given address and
 port; the replicas' workers are ranks 1..N (gateway/vllm_ext/collective_load.py). It is formed
 at the first send (every member constructs it at once: the gateway asks the replicas to receive
-while the coordinator asks for the send) and kept for the run. The backend follows the device:
-gloo for CPU tensors, NCCL for CUDA ones (the image is then moved to this rank's GPU first);
-one code path, only the backend's name differs.
+while the coordinator asks for the send) and kept until a send names another group id (the
+coordinator names a new one after a failed sync and when the gateway's replicas change). The
+store lives as long as this sender, each forming under its id's key prefix: a store made again
+at the same port would race the replicas, which may reach the old one before it closes. The
+backend follows the device: gloo for CPU tensors, NCCL for CUDA ones (the image is then moved
+to this rank's GPU first); one code path, only the backend's name differs.
 
 The wire, per version, every message a broadcast from rank 0: an int64 tensor [image bytes,
 version, chunk bytes], then the image in chunks of that many bytes (the last one shorter).
 Every collective runs under the group's timeout: a replica that dies mid-transfer fails the send
-(and the sync) within `timeout_s` rather than hanging the trainer; the group is then dropped and
-formed again at the next send.
+(and the sync) within `timeout_s` rather than hanging the trainer; the group is then dropped,
+and the coordinator's next send names a new one.
 """
 
 from __future__ import annotations
@@ -56,21 +59,24 @@ def chunks(image_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, 
     return [(s, min(s + chunk_bytes, image_bytes)) for s in range(0, image_bytes, chunk_bytes)]
 
 
-class _Group:
-    """Rank 0's member of the weights group, with the store it hosts."""
+def _store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The TCP store rank 0 hosts for every forming of the weights group."""
+    return dist.TCPStore(
+        address,
+        port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
-    def __init__(self, spec: CollectiveGroup) -> None:
+
+class _Group:
+    """Rank 0's member of one forming of the weights group, on the store rank 0 hosts."""
+
+    def __init__(self, spec: CollectiveGroup, store: dist.TCPStore) -> None:
         self.spec = spec
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        self.store = dist.TCPStore(
-            spec.address,
-            spec.port,
-            spec.world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
+        prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{spec.group_id}", store)
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -97,6 +103,7 @@ class WeightsSender:
         self._lock = threading.Lock()  # guards _held (the main thread adds, the sender takes)
         self._held: dict[int, torch.Tensor] = {}
         self._group: _Group | None = None
+        self._store: tuple[tuple[str, int], dist.TCPStore] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weights-sender", daemon=True)
 
@@ -137,6 +144,13 @@ class WeightsSender:
                 )
             path.unlink(missing_ok=True)
 
+    def _store_for(self, group: CollectiveGroup) -> dist.TCPStore:
+        where = (group.address, group.port)
+        if self._store is None or self._store[0] != where:
+            self._store = None
+            self._store = (where, _store(group.address, group.port, group.timeout_s))
+        return self._store[1]
+
     def _waiting_request(self) -> int | None:
         """The step of a request waiting in the run dir (the newest), or None."""
         folder = protocol.send_request_path(self.run_dir, 0).parent
@@ -158,7 +172,7 @@ class WeightsSender:
         started = time.perf_counter()
         if self._group is None or self._group.spec != request.group:
             self._group = None
-            self._group = _Group(request.group)
+            self._group = _Group(request.group, self._store_for(request.group))
         joined = time.perf_counter()
         try:
             self._group.send(image, request.step)

@@ -69,6 +69,7 @@ from lockgate.trainer.tiny_models.builder import ensure_tiny_model
 
 if TYPE_CHECKING:  # ray is an optional extra, imported only for `launcher: ray`
     from lockgate.coordinator.launch.ray.launch import RayParts
+    from lockgate.coordinator.launch.ray.trainer import RayTrainerRanks
 
 log = logging.getLogger(__name__)
 
@@ -492,10 +493,14 @@ def _trainer_config(config: RunConfig, model_dir: Path, resume: bool) -> Trainer
     )
 
 
-def _with_weights_group(config: RunConfig, placement: Placement) -> RunConfig:
-    """With `sync.transport: collective`, the group's port (a free one on this machine, where
-    the trainer runs, unless given) and backend (nccl only where replicas and trainer both run
-    on cuda: every member must speak it) decided once, before anything uses them."""
+def _with_weights_group(
+    config: RunConfig, placement: Placement, ray_trainer: RayTrainerRanks | None = None
+) -> RunConfig:
+    """With `sync.transport: collective`, the group's backend (nccl only where replicas and
+    trainer both run on cuda: every member must speak it) and where it meets, decided once,
+    before the loop uses them. Locally that is this machine, where the trainer runs, at a free
+    port unless given; under Ray it is rank 0's node, known only once Ray has placed the
+    ranks: `ray_trainer` is then given, after their launch."""
     if config.sync.transport != "collective":
         return config
     group = config.sync.collective
@@ -503,8 +508,14 @@ def _with_weights_group(config: RunConfig, placement: Placement) -> RunConfig:
     if backend == "auto":
         cuda = placement.replica_device == placement.trainer_device == "cuda"
         backend = "nccl" if cuda else "gloo"
-    group = group.model_copy(update={"port": group.port or free_port(), "backend": backend})
-    _say(f"weights: collective, {backend} group at {group.address}:{group.port}")
+    update: dict[str, Any] = {"backend": backend}
+    if ray_trainer is not None:
+        update["address"], update["port"] = ray_trainer.weights_group_endpoint(group.port)
+    elif config.launcher == "local":
+        update["port"] = group.port or free_port()
+    group = group.model_copy(update=update)
+    if "port" in update:
+        _say(f"weights: collective, {backend} group at {group.address}:{group.port}")
     sync = config.sync.model_copy(update={"collective": group})
     return config.model_copy(update={"sync": sync})
 
@@ -566,9 +577,9 @@ def _wait_parts(
         parts.val_gateway.wait_ready(config.gateway.startup_timeout_s)
     if ray_parts is not None:
         val_urls = [parts.val_gateway.url] if parts.val_gateway is not None else []
-        ray_parts.supervise(
-            [parts.gateway_url, *val_urls], parts.admin_token, parts.trainer.snapshot_dir
-        )
+        # The collective transport writes no snapshot a replacement could load.
+        snapshots = None if config.sync.transport == "collective" else parts.trainer.snapshot_dir
+        ray_parts.supervise([parts.gateway_url, *val_urls], parts.admin_token, snapshots)
         stack.callback(ray_parts.stop_supervising)
     return state, rewards
 
@@ -615,6 +626,8 @@ def train(config: RunConfig, *, resume: bool = False) -> RunSummary:
             ray_parts=ray_parts,
             placement=placement,
         )
+        if ray_parts is not None:
+            config = _with_weights_group(config, placement, ray_parts.ranks)
         state, rewards = _wait_parts(config, parts, run_dir, trainer_config, stack, ray_parts)
         sinks = open_sinks(
             config.metrics,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,7 @@ class TrainingLoop:
         self._val_reported = False
         self._export_layout: ExportLayout | None = None  # what the trainer was last told
         self._group: CollectiveWeights | None = None  # the collective transport's, once formed
+        self._group_members: list[str] = []  # the gateway's replicas when it was formed
         self._weights_dir = ""  # where the replicas' current version came from ("": the start)
         self._rewards = list(previous_rewards)
         # The task cursor (loop_state.py): serials dispatched and not yet trained or dropped.
@@ -494,27 +496,43 @@ class TrainingLoop:
         for task in (receive, send):  # the gateway's error first: it names the replica
             error = task.exception() if task in done else None
             if error is not None:
+                self._group = None  # every member drops a group a transfer failed in
                 raise error
         sent = send.result()
         log.info("sent version %d: %d bytes, %.2fs", version, sent.bytes, sent.send_s)
-        return receive.result()
+        report = receive.result()
+        if report.failed:
+            self._group = None
+        return report
 
     async def _weights_group(self) -> CollectiveWeights:
         """The collective transport's group: one rank for the trainer and one per replica of
-        the gateway (its count asked once: the group is formed once, at the first sync)."""
-        if self._group is None:
-            section = self.sync.collective
-            if section.port == 0 or section.backend == "auto":
-                raise RunFailed("sync.collective's port and backend are chosen at launch")
-            replicas = len((await self.gateway.status()).replicas)
-            self._group = CollectiveWeights(
-                transport="collective",
-                address=section.address,
-                port=section.port,
-                world_size=1 + replicas,
-                backend=section.backend,
-                timeout_s=section.timeout_s,
-            )
+        the gateway. Formed at the first sync and kept; formed again under a new id after a
+        failed load (its members dropped it) and when the gateway's replicas have changed (one
+        replaced or added), since a formed group takes no new member. The id is new in every
+        run too, so a replica still holding a killed run's group never mistakes it for this
+        one's."""
+        # The replicas a load goes to (gateway/sync/controller.py): healthy, or stale only.
+        status = await self.gateway.status()
+        replicas = [r.url for r in status.replicas if r.healthy or r.stale]
+        if self._group is not None and replicas == self._group_members:
+            return self._group
+        section = self.sync.collective
+        if section.port == 0 or section.backend == "auto":
+            raise RunFailed("sync.collective's port and backend are chosen at launch")
+        formed_before = self._group is not None
+        self._group = CollectiveWeights(
+            transport="collective",
+            address=section.address,
+            port=section.port,
+            world_size=1 + len(replicas),
+            backend=section.backend,
+            timeout_s=section.timeout_s,
+            group_id=uuid.uuid4().hex[:16],
+        )
+        self._group_members = replicas
+        if formed_before:
+            log.info("weights group formed again (%s): %s", self._group.group_id, replicas)
         return self._group
 
     async def _sync(self, weights_dir: str, version: int) -> dict[str, float]:

@@ -300,7 +300,10 @@ class SyncController:
             if self.gate.state != "paused":
                 raise conflict("pause the gateway before loading weights")
             started = time.perf_counter()
-            transport = transport_for(source, [c.url for c in self.pool.clients], version)
+            # The group's members are the replicas the load goes to: one it skips (unhealthy)
+            # would never join, and the group would never form.
+            members = [c.url for c in self.pool.reachable_clients()]
+            transport = transport_for(source, members, version)
             loaded, failed = await self._load_everywhere(
                 lambda client: self._load_one(transport, client, version), version
             )

@@ -6,11 +6,14 @@ Replicas started with `--worker-extension-cls lockgate.gateway.vllm_ext.collecti
 `POST /collective_rpc {"method": "lockgate_collective_receive", "args": [SPEC]}`, SPEC a JSON
 object: the group's `address` and `port` (the TCP store trainer rank 0 hosts), `world_size`,
 `backend` (gloo or nccl), `timeout_s`, this replica's `rank` (1 + its place among the
-gateway's replicas; the trainer is rank 0) and the `version` it is to receive.
+gateway's replicas; the trainer is rank 0), the `version` it is to receive and the `group_id`
+of this forming of the group (its store keys' prefix).
 
 The first receive joins the group (every member constructs it at once: the trainer does so when
 told to send, which the coordinator does while the gateway asks the replicas to receive); later
-ones reuse it, one group for the run. The wire, per version, all broadcasts from rank 0:
+ones reuse it until the coordinator names a new group id (after a failed sync, and when a
+replica is replaced or added: a formed group takes no new member), and every member joins that
+one afresh on the store trainer rank 0 keeps for its life. The wire, per version, all broadcasts from rank 0:
 an int64 tensor [image bytes, version, chunk bytes], then the image in chunks of that many bytes
 (the last one shorter). The image is the bytes of one safetensors file, exactly what the disk
 transport would write (trainer/export.py), so its order, dtype names and kernel layout are the
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,10 +61,11 @@ class _Spec:
     timeout_s: float
     rank: int
     version: int
+    group_id: str
 
     @property
-    def group_key(self) -> tuple[str, int, int, str, int]:
-        return (self.address, self.port, self.world_size, self.backend, self.rank)
+    def group_key(self) -> tuple[str, int, int, str, int, str]:
+        return (self.address, self.port, self.world_size, self.backend, self.rank, self.group_id)
 
 
 def _parse_spec(raw: str) -> _Spec:
@@ -74,10 +79,15 @@ def _parse_spec(raw: str) -> _Spec:
             timeout_s=float(fields["timeout_s"]),
             rank=int(fields["rank"]),
             version=int(fields["version"]),
+            group_id=str(fields.get("group_id", "0")),
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"malformed collective receive spec ({exc}): {raw[:200]}") from exc
-    if spec.backend not in ("gloo", "nccl") or not 0 < spec.rank < spec.world_size:
+    if (
+        spec.backend not in ("gloo", "nccl")
+        or not 0 < spec.rank < spec.world_size
+        or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", spec.group_id)
+    ):
         raise ValueError(f"bad collective receive spec: {spec}")
     return spec
 
@@ -89,7 +99,7 @@ def _join(spec: _Spec) -> dist.ProcessGroup:
     store = dist.TCPStore(
         spec.address, spec.port, is_master=False, timeout=timeout, wait_for_workers=False
     )
-    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+    prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{spec.group_id}", store)
     if spec.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -113,7 +123,7 @@ def _receive(group: dist.ProcessGroup, device: torch.device, version: int) -> to
 class CollectiveLoad(SnapshotLoad):
     """Mixed into vLLM's worker class by `--worker-extension-cls`; `self` is the worker."""
 
-    _lockgate_group: tuple[tuple[str, int, int, str, int], dist.ProcessGroup] | None = None
+    _lockgate_group: tuple[tuple[str, int, int, str, int, str], dist.ProcessGroup] | None = None
 
     def lockgate_collective_receive(self, raw_spec: str) -> dict[str, Any]:
         """Join the weights group if not yet, receive one version's image and load it.

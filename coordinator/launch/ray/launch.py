@@ -56,6 +56,7 @@ class RayParts:
         self.trainer_config = trainer
         self.cluster = RayCluster(config.ray)
         self.replicas: RayReplicaSet | None = None
+        self.ranks: RayTrainerRanks | None = None  # the trainer's, once `trainer` made them
         # Known once connected (`reserve`): auto devices follow the cluster's GPUs.
         self.placement = CPU_ONLY
         self.replicas_demand, self.trainer_demand = demands_of(
@@ -100,7 +101,7 @@ class RayParts:
         return urls
 
     def trainer(self, run_dir: Path, log_path: Path) -> RayTrainerRanks:
-        return RayTrainerRanks(
+        self.ranks = RayTrainerRanks(
             self.trainer_config,
             run_dir,
             log_path,
@@ -108,9 +109,13 @@ class RayParts:
             cpus=self.trainer_demand.cpus,
             gpus=self.trainer_demand.gpus,
         )
+        return self.ranks
 
     def supervise(
-        self, gateway_urls: list[str], admin_token: str, snapshot_of: Callable[[int], Path]
+        self,
+        gateway_urls: list[str],
+        admin_token: str,
+        snapshot_of: Callable[[int], Path] | None,
     ) -> None:
         """Replace dead replicas from now on, registering them with every gateway given."""
         if self.replicas is not None and self.config.ray.replace_replicas:

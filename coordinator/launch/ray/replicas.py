@@ -179,11 +179,16 @@ class RayReplicaSet:
             ]
 
     def supervise(
-        self, gateway_urls: list[str], admin_token: str, snapshot_of: Callable[[int], Path]
+        self,
+        gateway_urls: list[str],
+        admin_token: str,
+        snapshot_of: Callable[[int], Path] | None,
     ) -> None:
         """Watch the replicas from a thread of this process, replacing any that dies. The
         first gateway is the run's (its version is the one a replacement loads, from
-        `snapshot_of(version)`); the others (validation's) get the replacement too."""
+        `snapshot_of(version)`; None: no snapshots, the collective transport's, and the
+        replacement gets the weights at the next sync); the others (validation's) get the
+        replacement too."""
         self._supervisor = _Supervisor(self, gateway_urls, admin_token, snapshot_of)
         self._supervisor.start()
 
@@ -261,7 +266,7 @@ class _Supervisor:
         replicas: RayReplicaSet,
         gateway_urls: list[str],
         admin_token: str,
-        snapshot_of: Callable[[int], Path],
+        snapshot_of: Callable[[int], Path] | None,
     ) -> None:
         self.replicas = replicas
         self.snapshot_of = snapshot_of
@@ -317,7 +322,12 @@ class _Supervisor:
         self.replicas.swap(slot, new)  # from here on, stop() stops the new one
         run_gateway, *others = self._gateways
         version = int(run_gateway.get("/admin/status").json()["version"])
-        if version > 0:
+        if self.snapshot_of is None:
+            # The collective transport writes no snapshot: the replacement holds the base
+            # model (version 0), out of the rotation until the next sync, whose weights group
+            # is formed again with it (coordinator/loop/training.py `_weights_group`).
+            version = 0
+        elif version > 0:
             asyncio.run(_load(new.url, self.snapshot_of(version), version))
         # At the version it holds: if a sync has gone past it meanwhile, the gateway routes to
         # it only once the next load has reached it.

@@ -44,6 +44,10 @@ class RankActor:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
+    def free_port(self) -> int:
+        """A port free on this actor's node."""
+        return free_port(ray.util.get_node_ip_address())
+
     def start(self, run_dir: str, env: dict[str, str], log_path: str) -> None:
         cmd = [sys.executable, "-m", "lockgate.trainer.rl.main", "--run-dir", run_dir]
         self.proc = spawn(cmd, Path(log_path), env={**os.environ, **env})
@@ -80,6 +84,7 @@ class RayTrainerRanks(TrainerProcess):
         self.cpus = cpus
         self.gpus = gpus
         self._actors: list[ActorHandle] = []
+        self._master_addr = ""
         self._last_poll = 0.0
         self._exited: int | None = None
 
@@ -103,6 +108,7 @@ class RayTrainerRanks(TrainerProcess):
         master_addr, master_port = ray.get(
             self._actors[0].where.remote(), timeout=self.startup_timeout_s
         )
+        self._master_addr = master_addr
         starts = []
         for rank, actor in enumerate(self._actors):
             env = {
@@ -118,6 +124,15 @@ class RayTrainerRanks(TrainerProcess):
             }
             starts.append(actor.start.remote(str(self.run_dir), env, str(self.rank_log(rank))))
         ray.get(starts, timeout=_CALL_S)
+
+    def weights_group_endpoint(self, port: int) -> tuple[str, int]:
+        """Where the collective weights group meets: rank 0's node, which hosts its store, at
+        `port`, or at a port free there when 0. Known once the ranks are launched."""
+        if not self._actors:
+            raise RuntimeError("the trainer ranks are not launched yet")
+        if port == 0:
+            port = int(ray.get(self._actors[0].free_port.remote(), timeout=_CALL_S))
+        return self._master_addr, port
 
     def _started(self) -> bool:
         return bool(self._actors)

@@ -1,7 +1,8 @@
 """The loop's side of a collective weight sync (coordinator/loop/training.py `_load`): the
 gateway's receive and the trainer's send run at the same time over one group (one rank per
 replica the gateway has), the first failure of either fails the load and cancels the other, and
-a group whose port or backend launch never chose is refused."""
+a group whose port or backend launch never chose is refused, and the group is formed again (the
+new id, sized to the replicas) when the gateway's replicas change or a load failed."""
 
 from __future__ import annotations
 
@@ -20,8 +21,16 @@ from lockgate.gateway.schema import CollectiveWeights, LoadReport
 from lockgate.trainer.protocol import SendWeights, WeightsSent
 
 
+class Replica:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.healthy = url != "down"
+        self.stale = False
+
+
 class Status:
-    replicas = ("r1", "r2")
+    def __init__(self, urls: list[str]) -> None:
+        self.replicas = [Replica(url) for url in urls]
 
 
 class Gateway:
@@ -29,9 +38,10 @@ class Gateway:
         self.both_started = both_started
         self.sources: list[CollectiveWeights] = []
         self.cancelled = False
+        self.replicas = ["r1", "r2"]
 
     async def status(self) -> Status:
-        return Status()
+        return Status(self.replicas)
 
     async def load_collective(self, source: CollectiveWeights, version: int) -> LoadReport:
         self.sources.append(source)
@@ -80,6 +90,35 @@ async def test_the_receive_and_the_send_run_together_over_one_group(tmp_path: Pa
     assert request.group.model_dump() == source.model_dump(exclude={"transport"})
     await asyncio.wait_for(loop._load("", 5), 5)
     assert gateway.sources[1] == source  # the same group at the next sync
+
+
+async def test_a_change_of_replicas_or_a_failed_load_forms_the_group_again(
+    tmp_path: Path,
+) -> None:
+    """A replacement (a new URL where a dead one was), one more replica, or a load that failed
+    (whose members dropped the group): every member joins a new group, named by a new id on
+    the same store, since a formed group takes no new member."""
+    both = asyncio.Event()
+    gateway, trainer = Gateway(both), Trainer(both)
+    loop = _loop(tmp_path, gateway, trainer)
+    await asyncio.wait_for(loop._load("", 1), 5)
+    gateway.replicas = ["r1", "r3"]  # r2 replaced
+    await asyncio.wait_for(loop._load("", 2), 5)
+    gateway.replicas = ["r1", "r3", "r4"]  # one added
+    await asyncio.wait_for(loop._load("", 3), 5)
+    gateway.replicas = ["r1", "r3", "r4", "down"]  # unhealthy: no load goes to it
+    await asyncio.wait_for(loop._load("", 4), 5)
+    trainer.fail = True
+    with pytest.raises(RunFailed):
+        await asyncio.wait_for(loop._load("", 5), 5)
+    trainer.fail = False
+    await asyncio.wait_for(loop._load("", 6), 5)
+    ids = [s.group_id for s in gateway.sources]
+    assert [s.world_size for s in gateway.sources] == [3, 3, 4, 4, 4, 4]
+    assert ids[2] == ids[3] == ids[4]  # kept while nothing changed, up to the failure
+    assert len({ids[0], ids[1], ids[2], ids[5]}) == 4
+    assert [r.group.group_id for r in trainer.requests] == ids
+    assert len({(s.address, s.port) for s in gateway.sources}) == 1  # one store for the run
 
 
 async def test_a_failed_send_fails_the_load_and_cancels_the_receive(tmp_path: Path) -> None:

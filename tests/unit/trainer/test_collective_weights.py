@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,6 +143,46 @@ def test_a_replica_that_never_joins_fails_the_send_within_the_timeout(tmp_path: 
     assert isinstance(out[1], Exception)  # the replica that came fails too, it does not hang
 
 
+def test_a_new_group_id_is_a_new_group_on_the_same_store(tmp_path: Path) -> None:
+    """A replica replaced: the survivor's worker, which holds the first group, and the
+    replacement join the group of a new id at the same address and port (the store rank 0
+    kept), and receive the next version."""
+    first = _group(world_size=3).model_copy(update={"group_id": "first"})
+    second = first.model_copy(update={"group_id": "second"})
+    survivor: Any = type("Worker", (), {"_lockgate_group": None})()
+    groups: list[object] = []
+
+    def survivor_receives(group: CollectiveGroup, version: int, out: dict) -> None:
+        try:
+            spec = collective_load._parse_spec(
+                json.dumps({**group.model_dump(), "rank": 1, "version": version})
+            )
+            joined = collective_load._group_for(survivor, spec)
+            groups.append(joined)
+            out[1] = [collective_load._receive(joined, torch.device("cpu"), version)]
+        except Exception as exc:
+            out[1] = exc
+
+    sender = WeightsSender(tmp_path)
+    for group, version in ((first, 3), (second, 4)):
+        out: dict = {}
+        threads = [
+            threading.Thread(target=survivor_receives, args=(group, version, out)),
+            threading.Thread(target=_receiver, args=(group, 2, [version], out)),
+        ]
+        for thread in threads:
+            thread.start()
+        image = snapshot_image({"x": torch.arange(float(version))})
+        sender.hold(version, image)
+        sender.send(SendWeights(step=version, group=group))
+        for thread in threads:
+            thread.join(30)
+        for rank in (1, 2):
+            assert not isinstance(out[rank], Exception), out[rank]
+            assert torch.equal(out[rank][0], image)
+    assert groups[0] is not groups[1]
+
+
 def test_the_sender_refuses_a_step_it_does_not_hold(tmp_path: Path) -> None:
     sender = WeightsSender(tmp_path)
     sender.hold(2, snapshot_image(_state()))
@@ -195,7 +236,12 @@ def test_a_receive_spec_is_checked() -> None:
         "version": 1,
     }
     assert collective_load._parse_spec(json.dumps(good)).rank == 2
-    for bad in ({**good, "rank": 0}, {**good, "rank": 3}, {**good, "backend": "mpi"}):
+    for bad in (
+        {**good, "rank": 0},
+        {**good, "rank": 3},
+        {**good, "backend": "mpi"},
+        {**good, "group_id": "a/b"},
+    ):
         with pytest.raises(ValueError, match="bad collective receive spec"):
             collective_load._parse_spec(json.dumps(bad))
     with pytest.raises(ValueError, match="malformed"):
@@ -238,5 +284,5 @@ def test_the_run_config_takes_collective_and_refuses_what_cannot_work() -> None:
         SyncSection.model_validate({"collective": {"port": 70000}})
     with pytest.raises(ValidationError, match=r"set in sync\.transport"):
         RunConfig.model_validate({"trainer": {"weights": "collective"}})
-    with pytest.raises(ValidationError, match="launcher: local for now"):
-        RunConfig.model_validate({"launcher": "ray", "sync": {"transport": "collective"}})
+    ray = RunConfig.model_validate({"launcher": "ray", "sync": {"transport": "collective"}})
+    assert ray.sync.transport == "collective"  # its group meets at rank 0's node (ray/trainer.py)
