@@ -249,9 +249,22 @@ class CollectiveSection(BaseModel):
     timeout_s: float = Field(
         default=120.0,
         gt=0,
-        description="Each part of a transfer (forming the group, each message, the load) "
-        "fails after this long, so a member that dies fails the sync rather than hanging it.",
+        description="Each part of a transfer (each message, the load) fails after this long, "
+        "so a member that dies fails the sync rather than hanging it.",
     )
+    join_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Forming the group fails after this long (it takes about a second): a "
+        "member that never joins, a replica dead since the last sync, fails it soon, and the "
+        "sync is tried once more with the replicas that still answer.",
+    )
+
+    @model_validator(mode="after")
+    def _join_within_timeout(self) -> CollectiveSection:
+        if self.join_timeout_s > self.timeout_s:
+            raise ValueError("sync.collective.join_timeout_s exceeds its timeout_s")
+        return self
 
 
 class SyncSection(BaseModel):

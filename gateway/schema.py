@@ -380,6 +380,9 @@ class CollectiveWeights(BaseModel):
     timeout_s: float = Field(
         gt=0, description="Every step of the transfer (joining, each message) fails after this."
     )
+    join_timeout_s: float | None = Field(
+        default=None, gt=0, description="Forming the group fails after this; None: timeout_s."
+    )
     group_id: str = Field(
         default="0",
         pattern=GROUP_ID_PATTERN,

@@ -117,6 +117,7 @@ class CollectiveGroup(BaseModel):
     world_size: int = Field(ge=2)
     backend: Literal["gloo", "nccl"]
     timeout_s: float = Field(gt=0)
+    join_timeout_s: float | None = Field(default=None, gt=0)  # forming it; None: timeout_s
     # One forming of the group: a new id has every member join afresh (gateway/schema.py).
     group_id: str = Field(default="0", pattern=GROUP_ID_PATTERN)
 

@@ -76,15 +76,20 @@ class _Group:
     def __init__(self, spec: CollectiveGroup, store: dist.TCPStore) -> None:
         self.spec = spec
         timeout = datetime.timedelta(seconds=spec.timeout_s)
+        join = datetime.timedelta(seconds=spec.join_timeout_s or spec.timeout_s)
+        store.set_timeout(join)
         prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{spec.group_id}", store)
         if spec.backend == "nccl":
+            # NCCL connects at the first collective, under the transfer's timeout.
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(
                 prefixed, 0, spec.world_size, options
             )
         else:
-            self.group = dist.ProcessGroupGloo(prefixed, 0, spec.world_size, timeout)
+            # Gloo connects in its constructor, under the join's timeout; then the transfer's.
+            self.group = dist.ProcessGroupGloo(prefixed, 0, spec.world_size, join)
+            self.group.set_timeout(timeout)
 
     def send(self, image: torch.Tensor, version: int) -> None:
         if self.spec.backend == "nccl":

@@ -83,6 +83,10 @@ from lockgate.trainer.protocol import CollectiveGroup, ExportLayout, SendWeights
 
 log = logging.getLogger(__name__)
 
+# Before a failed collective sync's second try: the gateway's health checks (every 2 s, out
+# after 2 failures: gateway/replicas/pool.py) have then left a dead replica out of the group.
+_COLLECTIVE_RETRY_WAIT_S = 5.0
+
 
 class SyncFailed(RunFailed):
     """No replica took the new weights; the run stops, still serving the old version."""
@@ -475,29 +479,45 @@ class TrainingLoop:
 
         Adapters: the gateway has every replica load the adapter in `weights_dir` under the
         version's name. Disk: the gateway has every replica read the snapshot in `weights_dir`.
-        Collective: the gateway's receive on the replicas and the trainer's send run at the
-        same time, as they must (each member of the group waits for the others); whichever
-        fails first fails the load, the other is cancelled (its own collectives time out after
-        the group's timeout on the trainer and the replicas), so nobody waits out the other."""
+        Collective: `_load_collective`."""
         if self.adapters:
             return await self.gateway.load_adapter(weights_dir, version)
         if self.sync.transport == "disk":
             return await self.gateway.load_weights(weights_dir, version)
+        try:
+            return await self._load_collective(version, last_try=False)
+        except Exception as exc:
+            # Most often a replica that died since the last sync: it never joined, so no
+            # member could. By now the gateway's health checks have taken it out of the
+            # members of a new group.
+            log.warning("collective sync to version %d failed (%s); trying once more", version, exc)
+            await asyncio.sleep(_COLLECTIVE_RETRY_WAIT_S)
+            return await self._load_collective(version, last_try=True)
+
+    async def _load_collective(self, version: int, *, last_try: bool) -> LoadReport:
+        """The gateway's receive on the replicas and the trainer's send, at the same time, as
+        they must (each member of the group waits for the others). On the last try whichever
+        fails first fails the load and the other is cancelled (its own collectives time out on
+        the trainer and the replicas), so nobody waits out the other; before it, both are
+        waited for, so that the trainer is free to send again."""
         source = await self._weights_group()
         group = CollectiveGroup.model_validate(source.model_dump(exclude={"transport"}))
         receive = asyncio.ensure_future(self.gateway.load_collective(source, version))
         send = asyncio.ensure_future(
             self.trainer.send_weights(SendWeights(step=version, group=group))
         )
-        done, pending = await asyncio.wait({receive, send}, return_when=asyncio.FIRST_EXCEPTION)
+        when = asyncio.FIRST_EXCEPTION if last_try else asyncio.ALL_COMPLETED
+        done, pending = await asyncio.wait({receive, send}, return_when=when)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for task in (receive, send):  # the gateway's error first: it names the replica
-            error = task.exception() if task in done else None
-            if error is not None:
-                self._group = None  # every member drops a group a transfer failed in
-                raise error
+        # The gateway's error first (it names the replica); each done task's read, so none is
+        # reported as never retrieved.
+        errors = [task.exception() for task in (receive, send) if task in done]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            self._group = None  # every member drops a group a transfer failed in
+            raise error
         sent = send.result()
         log.info("sent version %d: %d bytes, %.2fs", version, sent.bytes, sent.send_s)
         report = receive.result()
@@ -512,9 +532,9 @@ class TrainingLoop:
         replaced or added), since a formed group takes no new member. The id is new in every
         run too, so a replica still holding a killed run's group never mistakes it for this
         one's."""
-        # The replicas a load goes to (gateway/sync/controller.py): healthy, or stale only.
+        # The replicas a collective load goes to (gateway/sync/controller.py): the healthy.
         status = await self.gateway.status()
-        replicas = [r.url for r in status.replicas if r.healthy or r.stale]
+        replicas = [r.url for r in status.replicas if r.healthy]
         if self._group is not None and replicas == self._group_members:
             return self._group
         section = self.sync.collective
@@ -528,6 +548,7 @@ class TrainingLoop:
             world_size=1 + len(replicas),
             backend=section.backend,
             timeout_s=section.timeout_s,
+            join_timeout_s=section.join_timeout_s,
             group_id=uuid.uuid4().hex[:16],
         )
         self._group_members = replicas

@@ -27,7 +27,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 from lockgate.gateway.errors import GatewayError, bad_request, conflict
 from lockgate.gateway.replicas.pause import PauseGate
@@ -300,12 +300,17 @@ class SyncController:
             if self.gate.state != "paused":
                 raise conflict("pause the gateway before loading weights")
             started = time.perf_counter()
-            # The group's members are the replicas the load goes to: one it skips (unhealthy)
-            # would never join, and the group would never form.
-            members = [c.url for c in self.pool.reachable_clients()]
-            transport = transport_for(source, members, version)
+            # A collective group's members are the healthy replicas, and the load goes to them
+            # alone: one that does not answer (dead since its last load) would never join, and
+            # the group would never form. Other loads go to every reachable replica.
+            clients = (
+                self.pool.healthy_clients()
+                if isinstance(source, CollectiveWeights)
+                else self.pool.reachable_clients()
+            )
+            transport = transport_for(source, [c.url for c in clients], version)
             loaded, failed = await self._load_everywhere(
-                lambda client: self._load_one(transport, client, version), version
+                lambda client: self._load_one(transport, client, version), version, clients
             )
             if not loaded:
                 restored = await self._restore(failed)
@@ -330,11 +335,15 @@ class SyncController:
             )
 
     async def _load_everywhere(
-        self, load: Callable[[ReplicaClient], Awaitable[None]], version: int
+        self,
+        load: Callable[[ReplicaClient], Awaitable[None]],
+        version: int,
+        clients: Sequence[ReplicaClient] | None = None,
     ) -> tuple[list[str], dict[str, str]]:
-        """`load` on every reachable replica at once: the replicas that took `version` (now
-        serving it), and why each other failed (now stale: out of the rotation)."""
-        clients = self.pool.reachable_clients()
+        """`load` on every reachable replica (or on `clients`) at once: the replicas that took
+        `version` (now serving it), and why each other failed (now stale: out of the
+        rotation)."""
+        clients = self.pool.reachable_clients() if clients is None else clients
         results = await asyncio.gather(*(load(c) for c in clients), return_exceptions=True)
         loaded: list[str] = []
         failed: dict[str, str] = {}

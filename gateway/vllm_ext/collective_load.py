@@ -62,6 +62,7 @@ class _Spec:
     rank: int
     version: int
     group_id: str
+    join_timeout_s: float
 
     @property
     def group_key(self) -> tuple[str, int, int, str, int, str]:
@@ -80,6 +81,7 @@ def _parse_spec(raw: str) -> _Spec:
             rank=int(fields["rank"]),
             version=int(fields["version"]),
             group_id=str(fields.get("group_id", "0")),
+            join_timeout_s=float(fields.get("join_timeout_s") or fields["timeout_s"]),
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"malformed collective receive spec ({exc}): {raw[:200]}") from exc
@@ -96,15 +98,21 @@ def _join(spec: _Spec) -> dist.ProcessGroup:
     """This worker's member of the weights group (blocks until every member has joined, or
     the timeout)."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    join = datetime.timedelta(seconds=spec.join_timeout_s)
     store = dist.TCPStore(
-        spec.address, spec.port, is_master=False, timeout=timeout, wait_for_workers=False
+        spec.address, spec.port, is_master=False, timeout=join, wait_for_workers=False
     )
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{spec.group_id}", store)
     if spec.backend == "nccl":
+        # NCCL connects at the first collective, under the transfer's timeout.
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, options)
-    return dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
+    # Gloo connects in its constructor, under the timeout it is given: the join's; its
+    # messages then get the transfer's.
+    group = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, join)
+    group.set_timeout(timeout)
+    return group
 
 
 def _receive(group: dist.ProcessGroup, device: torch.device, version: int) -> torch.Tensor:

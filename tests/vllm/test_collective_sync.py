@@ -140,6 +140,55 @@ async def test_a_collective_sync_without_a_sender_fails_within_its_timeout(
         await gateway.sync.resume(version + 2)
 
 
+async def test_a_dead_member_fails_the_group_soon_and_the_next_leaves_it_out(
+    gateway: Any, tiny_model_dir: Path, perturbed_model_dir: Path, tmp_path: Path
+) -> None:
+    """A replica dead since the last sync is still in the pool: the group sized with it
+    cannot form, and fails after the join timeout (not the transfer's); once the health
+    checks take it out, a new group of the live replicas (what the loop's second try forms)
+    loads both, to the same tokens as a disk sync."""
+    version = gateway.gate.version
+    await _disk_sync(gateway, perturbed_model_dir, version + 1)
+    after_disk = await _greedy(gateway)
+    await _disk_sync(gateway, tiny_model_dir, version + 2)
+    dead = f"http://127.0.0.1:{free_port()}"
+    gateway.pool.add(dead, version + 2)
+    sender = WeightsSender(tmp_path)
+    sender.hold(version + 3, snapshot_image(load_file(perturbed_model_dir / "model.safetensors")))
+    try:
+        sized_with_it = CollectiveGroup(
+            address="127.0.0.1", port=free_port(), world_size=4, backend="gloo",
+            timeout_s=60, join_timeout_s=5, group_id="with-dead",
+        )  # fmt: skip
+        assert dead in [c.url for c in gateway.pool.healthy_clients()]  # not checked yet
+        started = asyncio.get_running_loop().time()
+        await gateway.sync.pause("abort", 60.0)
+        source = CollectiveWeights(transport="collective", **sized_with_it.model_dump())
+        send = SendWeights(step=version + 3, group=sized_with_it)
+        failed = await asyncio.gather(
+            gateway.sync.load(source, version + 3),
+            asyncio.to_thread(sender.send, send),
+            return_exceptions=True,
+        )
+        assert all(isinstance(result, BaseException) for result in failed), failed
+        assert asyncio.get_running_loop().time() - started < 40  # the join's 5 s, not 60
+        if gateway.gate.state != "serving":
+            await gateway.sync.resume(gateway.gate.version)
+        while dead in [c.url for c in gateway.pool.healthy_clients()]:
+            assert asyncio.get_running_loop().time() - started < 60, "still counted healthy"
+            await asyncio.sleep(0.2)
+        live = sized_with_it.model_copy(update={"world_size": 3, "group_id": "live"})
+        report = await _collective_sync(gateway, sender, live, version + 3)
+        assert dead not in report.loaded and len(report.loaded) == 2
+        gateway.pool.remove(dead)
+        assert await _greedy(gateway) == after_disk
+    finally:
+        gateway.pool.remove(dead)
+        if gateway.gate.state != "serving":
+            await gateway.sync.resume(gateway.gate.version)
+        await _disk_sync(gateway, tiny_model_dir, gateway.gate.version + 1)
+
+
 def test_lockgate_train_syncs_the_toy_run_over_the_collective_transport(tmp_path: Path) -> None:
     marker, env = marked_environment()
     run_dir = tmp_path / "run"
