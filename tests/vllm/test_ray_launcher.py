@@ -137,8 +137,9 @@ def test_ray_run_trains_replaces_a_killed_replica_and_leaves_nothing(
         # From here on rollouts wait for the test: with η = 1 at most step 3 can finish on the
         # rollouts already started.
         _let_through(hold, 0)
-        # The steps of the rollouts already started, and their syncs, done: a replica that dies
-        # within a collective sync is a case this test leaves out (docs/deploy.md).
+        # The steps of the rollouts already started, and their syncs, done, so the kill lands
+        # between syncs in every run (a member dead within a collective sync:
+        # test_collective_sync.py).
         _wait_for("the held run to settle", _settled(run_dir), 120, proc)
 
         # Kill replica 0's actor from another driver, as a crash or a lost node would (the run
