@@ -378,7 +378,9 @@ class CollectiveWeights(BaseModel):
     )
     backend: Literal["gloo", "nccl"]
     timeout_s: float = Field(
-        gt=0, description="Every step of the transfer (joining, each message) fails after this."
+        gt=0,
+        description="Every step of the transfer (each message; joining too, without "
+        "join_timeout_s) fails after this.",
     )
     join_timeout_s: float | None = Field(
         default=None, gt=0, description="Forming the group fails after this; None: timeout_s."

@@ -43,8 +43,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 READY = "ready"
-# A weights group's id goes into its store keys (gateway/schema.py spells it out too).
-GROUP_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 STOP = "STOP"
 COMMITTED = "committed"
 FAILED = "failed"
@@ -103,6 +101,10 @@ def export_layout(run_dir: Path) -> ExportLayout | None:
         return ExportLayout.model_validate_json((run_dir / EXPORT_LAYOUT).read_text())
     except FileNotFoundError:
         return None
+
+
+# A weights group's id goes into its store keys (gateway/schema.py spells it out too).
+GROUP_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class CollectiveGroup(BaseModel):

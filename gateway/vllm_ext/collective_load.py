@@ -13,7 +13,8 @@ The first receive joins the group (every member constructs it at once: the train
 told to send, which the coordinator does while the gateway asks the replicas to receive); later
 ones reuse it until the coordinator names a new group id (after a failed sync, and when a
 replica is replaced or added: a formed group takes no new member), and every member joins that
-one afresh on the store trainer rank 0 keeps for its life. The wire, per version, all broadcasts from rank 0:
+one afresh on the store trainer rank 0 keeps for its life. Joining fails after `join_timeout_s`
+(default `timeout_s`). The wire, per version, all broadcasts from rank 0:
 an int64 tensor [image bytes, version, chunk bytes], then the image in chunks of that many bytes
 (the last one shorter). The image is the bytes of one safetensors file, exactly what the disk
 transport would write (trainer/export.py), so its order, dtype names and kernel layout are the
