@@ -8,9 +8,9 @@ renaming.
 Experts: gpt-oss stores each layer's experts stacked, [experts, in, out]; vLLM-CPU keeps them as
 [experts, out, in] in a blocked layout of its own (`cpu_prepack_moe_weight`), built once at
 start-up. vLLM's own `reload_weights` does not rebuild it, so a replica goes on serving the old
-experts (found by logprob parity, docs/models.md). The direct load builds the layout from the new weights as
-start-up does and copies it into the served tensors, and copies the expert biases into the
-tensors the kernel was given at start-up.
+experts (found by logprob parity, docs/models.md). The direct load builds the layout from the
+new weights as start-up does and copies it into the served tensors, and copies the expert biases
+into the tensors the kernel was given at start-up.
 """
 
 from __future__ import annotations
