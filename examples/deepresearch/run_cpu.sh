@@ -5,11 +5,13 @@
 #   2. supervised warm start with `lockgate sft`: copy drills (the model learns to copy a name),
 #      then one pass over the oracle's transcripts (it learns to search, read and answer). Two
 #      gates: the drills must copy (held-out exact match, configs/drill_cpu.yaml), and the SFT
-#      model must answer validation questions over a world of its own (gate.py, which continues
-#      SFT a chunk at a time within a cap). A gate missed stops the recipe here with one line,
+#      model must answer validation questions over a world of its own and search 2-hop ones
+#      twice (gate.py, which continues SFT a chunk at a time within a cap). A gate missed stops
+#      the recipe here with one line,
 #      `[deepresearch] stage 2 (...): <reason>`, instead of at the final evaluation;
 #   3. held-out evaluation of the SFT model, with the oracle and no-search baselines;
-#   4. fully-async GRPO through the gateway with `lockgate train` (greedy validation every 8 steps);
+#   4. fully-async GRPO through the gateway with `lockgate train` (32 steps, greedy validation
+#      every 8);
 #   5. held-out evaluation of the RL model, the report's plots, and the before -> after lines.
 # Steps 3-5 share one set of vLLM replicas (`lockgate replicas`, started on the SFT model): RL
 # syncs its weights into them, and step 5 evaluates the weights of RL's last step there. Each

@@ -18,33 +18,68 @@ from lockgate.examples.deepresearch.data import (
     validation_kb_seed,
 )
 from lockgate.examples.deepresearch.evaluate import RECIPE_KB_SEEDS, knowledge_base
-from lockgate.examples.deepresearch.gate import GateRule, continued_loop, decide, main
+from lockgate.examples.deepresearch.gate import (
+    GateRule,
+    Validation,
+    continued_loop,
+    decide,
+    main,
+)
 from lockgate.examples.deepresearch.prepare import copy_drills
 
-RULE = GateRule(threshold=0.10, extra_chunks=2, chunk_steps=250)
+RULE = GateRule(threshold=0.10, min_two_hop_searches=1.8, extra_chunks=2, chunk_steps=250)
+SEARCHES_AGAIN = 1.9  # 2-hop validation questions searched this many times: enough
 
 
-def test_a_model_at_or_above_the_threshold_passes_at_once() -> None:
-    verdict = decide(0.10, 0, RULE)
+def _at(success: float, two_hop_searches: float = SEARCHES_AGAIN) -> Validation:
+    return Validation(success=success, two_hop_searches=two_hop_searches)
+
+
+def test_a_model_that_answers_and_searches_again_passes_at_once() -> None:
+    verdict = decide(_at(0.10), 0, RULE)
     assert verdict.action == "pass"
-    assert verdict.line == "validation success (T=1) 0.100, at or above 0.1"
-    assert decide(0.25, 2, RULE).action == "pass"  # after chunks, too
+    assert verdict.line == (
+        "validation success (T=1) 0.100, at or above 0.1; 2-hop questions searched 1.90 times, "
+        "at least 1.8"
+    )
+    assert decide(_at(0.25, 1.8), 2, RULE).action == "pass"  # after chunks, and at the least
+    unchecked = RULE.model_copy(update={"min_two_hop_searches": 0.0})
+    assert decide(_at(0.25, 0.0), 0, unchecked).line == (
+        "validation success (T=1) 0.250, at or above 0.1"
+    )
 
 
 def test_a_model_below_continues_sft_until_the_cap_then_stops_in_one_line() -> None:
-    assert decide(0.003, 0, RULE).line == (
+    assert decide(_at(0.003), 0, RULE).line == (
         "validation success (T=1) 0.003, below 0.1: SFT chunk 1 of 2 (250 more steps)"
     )
-    assert decide(0.05, 1, RULE).action == "continue"
-    stop = decide(0.05, 2, RULE)
+    assert decide(_at(0.05), 1, RULE).action == "continue"
+    stop = decide(_at(0.05), 2, RULE)
     assert stop.action == "stop"
     assert stop.line == (
         "the SFT model's validation success (T=1) 0.050 is below 0.1 after 2 extra chunks of "
         "250 steps (the cap); the warm start does not answer"
     )
-    assert decide(0.0, 0, RULE.model_copy(update={"extra_chunks": 0})).action == "stop"
+    # Not answering is the reason given, whatever the searches.
+    assert decide(_at(0.05, 0.0), 2, RULE).line == stop.line
+    assert decide(_at(0.0), 0, RULE.model_copy(update={"extra_chunks": 0})).action == "stop"
     # A threshold above 1 is one no model passes (the recipe's gate test uses it).
-    assert decide(1.0, 0, RULE.model_copy(update={"threshold": 1.01})).action == "continue"
+    assert decide(_at(1.0), 0, RULE.model_copy(update={"threshold": 1.01})).action == "continue"
+
+
+def test_a_model_that_answers_after_one_search_continues_sft_then_stops_on_it() -> None:
+    # Seed 2's SFT model of 2026-11-29: it answered, but searched 2-hop questions ~1.6 times.
+    verdict = decide(_at(0.33, 1.57), 0, RULE)
+    assert verdict.action == "continue"
+    assert verdict.line == (
+        "2-hop questions searched 1.57 times, under 1.8: SFT chunk 1 of 2 (250 more steps)"
+    )
+    stop = decide(_at(0.33, 1.7), 2, RULE)
+    assert stop.action == "stop"
+    assert stop.line == (
+        "the SFT model searched 2-hop validation questions 1.70 times, under 1.8, after 2 extra "
+        "chunks of 250 steps (the cap); the warm start answers them without their second search"
+    )
 
 
 def test_a_chunk_resumes_the_run_for_more_steps_within_one_more_epoch() -> None:
@@ -59,6 +94,8 @@ def test_the_gate_refuses_a_rule_out_of_range() -> None:
         GateRule(chunk_steps=0)
     with pytest.raises(ValueError):
         GateRule(threshold=-0.1)
+    with pytest.raises(ValueError):
+        GateRule(min_two_hop_searches=-1)
 
 
 def test_the_gate_stops_in_one_line_when_its_validation_cannot_run(
