@@ -1,4 +1,5 @@
-"""The SFT gate of the CPU recipe: the warm start must answer before RL starts from it.
+"""The SFT gate of the CPU recipe: the warm start must answer, and search 2-hop questions
+twice, before RL starts from it.
 
     python -m lockgate.examples.deepresearch.gate --sft-out RUN/sft --kb-dir DATA/val_kb \
         --work RUN/gate [--threshold 0.10 --min-two-hop-searches 1.8 --extra-chunks 2 \
@@ -8,8 +9,9 @@ evaluates `RUN/sft/final` on the held-out questions of the validation knowledge 
 apart from the evaluation's, prepare.py) at temperature 1 with `evaluate.py run`, and while its
 success is below the threshold, or it searches 2-hop questions fewer times than the least, it
 continues the SFT run for another chunk (`lockgate sft --resume` with `chunk_steps` more
-steps, into one more epoch over the same transcripts), up to `extra_chunks` times. It exits 0 once the model passes; otherwise 1, printing one line on stdout
-that says why, which run_cpu.sh reports as `[deepresearch] stage 2 (SFT): <line>`.
+steps, into one more epoch over the same transcripts), up to `extra_chunks` times. It exits 0
+once the model passes; otherwise 1, printing one line on stdout that says why, which
+run_cpu.sh reports as `[deepresearch] stage 2 (SFT): <line>`.
 
 A chunk resumes the run rather than starting another over new data because resuming is what
 `lockgate sft` does today with nothing new to prepare: the same transcripts, the optimizer's
